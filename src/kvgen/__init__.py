@@ -1,0 +1,25 @@
+"""kvgen: key-value-cached text generation with the Hugging Face cache API."""
+
+from kvgen.cache import (Cache, CacheLayer, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer, StaticCache,
+                         StaticLayer, cache_implementations)
+from kvgen.config import AutoConfig, PretrainedConfig
+from kvgen.generation.config import GenerationConfig
+from kvgen.generation.streamers import TextStreamer
+from kvgen.models import AutoModelForCausalLM
+from kvgen.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
+                                Qwen3ForCausalLM)
+
+__all__ = [
+    "AutoConfig", "AutoModelForCausalLM", "Cache", "CacheLayer", "DynamicCache", "DynamicLayer",
+    "DynamicSlidingWindowLayer", "GenerationConfig", "LlamaForCausalLM", "MistralForCausalLM",
+    "Phi3ForCausalLM", "PretrainedConfig", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "StaticCache", "StaticLayer",
+    "TextStreamer", "cache_implementations",
+]
+
+
+def __getattr__(name):  # the tokenizer imports lazily (it pulls in gguf and jinja2)
+    if name == "AutoTokenizer":
+        from kvgen.tokenizer import AutoTokenizer
+
+        return AutoTokenizer
+    raise AttributeError(f"module 'kvgen' has no attribute {name!r}")

@@ -1,0 +1,234 @@
+"""The cache container and the per-layer base class.
+
+A :class:`Cache` is a list of per-layer objects (:class:`CacheLayer`). Every strategy
+(growing, preallocated, windowed, quantized, ...) is a layer class; the public cache
+classes only choose which layers to build. Models talk to the container alone:
+
+* ``cache.update(key, value, layer_idx, {"cache_position": pos})`` stores the new
+  keys/values and returns everything the layer attends to;
+* ``cache.key_positions(layer_idx, pos)`` tells which absolute positions those
+  returned slots hold (``-1`` for an empty slot), so ``kvgen.masks`` can build the
+  attention mask without knowing the cache type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+LegacyCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+class CacheLayer:
+    """Storage of one attention layer. Subclasses choose a growth policy.
+
+    Tensors are laid out ``(batch, kv_heads, slots, head_dim)``.
+    """
+
+    #: tokens a query may look back (``None``: unlimited); used for the mask
+    sliding_window: int | None = None
+    #: True when the layer preallocates (static shapes, usable under torch.compile)
+    is_compileable: bool = False
+
+    def update(self, key: torch.Tensor, value: torch.Tensor,
+               cache_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key``/``value`` (B, H, T, D) at ``cache_position`` (T,); return what to attend to."""
+        raise NotImplementedError
+
+    def key_positions(self, cache_position: torch.Tensor) -> torch.Tensor:
+        """Absolute position held by each slot that ``update`` will return for ``cache_position``; -1 if empty."""
+        raise NotImplementedError
+
+    def check_cache_position(self, cache_position: torch.Tensor) -> None:
+        """Raise a clear error when ``cache_position`` cannot be written to this layer."""
+
+    def get_seq_length(self) -> int:
+        """Number of positions of the sequence this layer has seen (not how many it still stores)."""
+        raise NotImplementedError
+
+    def get_max_cache_shape(self) -> int | None:
+        """Most slots the layer can hold, ``None`` when it grows without bound."""
+        return None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored keys (B, H, stored, D), oldest first, or ``None`` before the first update."""
+        raise NotImplementedError
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot be cropped")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep (and reorder) the batch rows ``indices``; used for beams and filtering."""
+        raise NotImplementedError
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes allocated by this layer's tensors."""
+        return 0
+
+
+class Cache:
+    """A list of per-layer caches with the Hugging Face cache API.
+
+    ``layer_factory`` builds layer ``i`` on first use when ``layers`` does not cover it,
+    so a cache created without a model config grows to however many layers use it.
+
+    Example:
+        >>> import torch
+        >>> from kvgen import DynamicCache
+        >>> cache = DynamicCache()
+        >>> k = v = torch.zeros(1, 2, 3, 4)
+        >>> keys, values = cache.update(k, v, 0, {"cache_position": torch.arange(3)})
+        >>> cache.get_seq_length(), tuple(keys.shape)
+        (3, (1, 2, 3, 4))
+    """
+
+    def __init__(self, layers: list[CacheLayer] | None = None, layer_factory=None):
+        self.layers: list[CacheLayer] = list(layers or [])
+        self._layer_factory = layer_factory
+
+    # -- the model-facing interface ------------------------------------------------------------------
+    def layer(self, layer_idx: int) -> CacheLayer:
+        while len(self.layers) <= layer_idx:
+            if self._layer_factory is None:
+                raise IndexError(
+                    f"{type(self).__name__} has {len(self.layers)} layers; layer {layer_idx} was asked for. "
+                    "Build the cache with the model's config (config=model.config)."
+                )
+            self.layers.append(self._layer_factory(len(self.layers)))
+        return self.layers[layer_idx]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store new keys/values (B, H, T, D) of ``layer_idx``; return the keys/values to attend to."""
+        cache_position = (cache_kwargs or {}).get("cache_position")
+        layer = self.layer(layer_idx)
+        if cache_position is None:
+            start = layer.get_seq_length()
+            cache_position = torch.arange(start, start + key_states.shape[-2], device=key_states.device)
+        return layer.update(key_states, value_states, cache_position)
+
+    def key_positions(self, layer_idx: int, cache_position: torch.Tensor) -> torch.Tensor:
+        return self.layer(layer_idx).key_positions(cache_position)
+
+    def mask_group(self, layer_idx: int) -> tuple:
+        """Layers in the same group share one attention mask for a given forward pass."""
+        layer = self.layer(layer_idx)
+        return (type(layer), layer.sliding_window, layer.get_max_cache_shape())
+
+    def check_cache_position(self, cache_position: torch.Tensor) -> None:
+        """Validate once per forward pass that ``cache_position`` fits every kind of layer."""
+        seen: set[tuple] = set()
+        for i in range(max(len(self.layers), 1)):
+            group = self.mask_group(i)
+            if group not in seen:
+                seen.add(group)
+                self.layer(i).check_cache_position(cache_position)
+
+    # -- sizes -------------------------------------------------------------------------------------
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Length of the sequence seen so far (the next token's ``cache_position``)."""
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].get_seq_length()
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int | None:
+        if layer_idx >= len(self.layers):
+            return self._empty_max_cache_shape()
+        return self.layers[layer_idx].get_max_cache_shape()
+
+    def _empty_max_cache_shape(self) -> int | None:
+        return None
+
+    def get_max_length(self) -> int | None:
+        """Older spelling of :meth:`get_max_cache_shape`."""
+        return self.get_max_cache_shape()
+
+    @property
+    def is_compileable(self) -> bool:
+        return bool(self.layers) and all(layer.is_compileable for layer in self.layers)
+
+    def nbytes(self) -> int:
+        """Bytes allocated by all layers."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    # -- editing -----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` positions (negative: drop that many from the end)."""
+        if max_length < 0:
+            max_length = self.get_seq_length() + max_length
+        for layer in self.layers:
+            layer.crop(max(max_length, 0))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the batch rows (beam search); every layer and every part of it follows."""
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
+
+    # -- legacy views ------------------------------------------------------------------------------
+    def to_legacy_cache(self) -> LegacyCache:
+        """The stored keys/values as a tuple of ``(key, value)`` pairs, one per layer."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            if layer.keys is None:
+                raise ValueError(f"layer {i} of the cache is empty; there is nothing to convert")
+            out.append((layer.keys, layer.values))
+        return tuple(out)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        return layer.keys, layer.values
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for layer in self.layers:
+            yield layer.keys, layer.values
+
+    @property
+    def key_cache(self) -> list[torch.Tensor]:
+        return [layer.keys for layer in self.layers]
+
+    @property
+    def value_cache(self) -> list[torch.Tensor]:
+        return [layer.values for layer in self.layers]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layers={len(self.layers)}, seq_length={self.get_seq_length()})"
+
+
+def config_value(config, name: str, default=None):
+    """Read ``name`` from a config object or dict (``None`` config gives ``default``)."""
+    if config is None:
+        return default
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def text_config(config):
+    """The decoder part of a config that nests one (``text_config``), else the config itself."""
+    return config_value(config, "text_config", None) or config

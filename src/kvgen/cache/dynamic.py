@@ -1,0 +1,212 @@
+"""Growing caches: :class:`DynamicLayer`, :class:`DynamicSlidingWindowLayer`, :class:`DynamicCache`.
+
+Growth is amortised: a layer keeps a buffer with spare room and grows it geometrically,
+so appending one token writes one slot instead of copying the whole cache (the
+reference's ``torch.cat`` per token is quadratic in memory traffic). ``update`` returns
+views into the buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.cache.base import Cache, CacheLayer, LegacyCache, config_value, text_config
+from kvgen.cache.registry import register_cache
+
+_ROUND = 128  # slots are allocated in multiples of this
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ROUND) * _ROUND
+
+
+class DynamicLayer(CacheLayer):
+    """A layer that keeps every token, in a buffer that grows by 1.5x when full.
+
+    ``_start`` is the first live slot and ``_end`` one past the last; slot ``i`` holds
+    absolute position ``_seen - (_end - i)``.
+    """
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None  # (B, H, capacity, D)
+        self._v: torch.Tensor | None = None
+        self._start = 0
+        self._end = 0
+        self._seen = 0
+
+    # -- storage -----------------------------------------------------------------------------------
+    def _make_room(self, extra: int) -> None:
+        """Ensure ``extra`` free slots after ``_end``, compacting or growing the buffer."""
+        capacity = self._k.shape[2]
+        live = self._end - self._start
+        if self._end + extra <= capacity:
+            return
+        if self._start > 0 and live + extra <= capacity and self._start >= live:
+            # Enough dead room at the front: move the live part down (copies at most `live` slots).
+            self._k[:, :, :live] = self._k[:, :, self._start:self._end]
+            self._v[:, :, :live] = self._v[:, :, self._start:self._end]
+        else:
+            new_capacity = _round_up(max(live + extra, capacity * 3 // 2))
+            k = self._k.new_empty(*self._k.shape[:2], new_capacity, self._k.shape[3])
+            v = self._v.new_empty(*self._v.shape[:2], new_capacity, self._v.shape[3])
+            k[:, :, :live] = self._k[:, :, self._start:self._end]
+            v[:, :, :live] = self._v[:, :, self._start:self._end]
+            self._k, self._v = k, v
+        self._start, self._end = 0, live
+
+    def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        t = key.shape[2]
+        if self._k is None:
+            b, h, _, d = key.shape
+            self._k = key.new_empty(b, h, _round_up(t + 1), d)
+            self._v = value.new_empty(value.shape[0], value.shape[1], _round_up(t + 1), value.shape[3])
+        elif key.shape[0] != self._k.shape[0] or key.shape[1] != self._k.shape[1]:
+            raise ValueError(
+                f"new keys have batch {key.shape[0]} and {key.shape[1]} heads but the cache holds batch "
+                f"{self._k.shape[0]} with {self._k.shape[1]} heads; use one cache per batch shape"
+            )
+        self._make_room(t)
+        self._k[:, :, self._end:self._end + t] = key
+        self._v[:, :, self._end:self._end + t] = value
+        self._end += t
+        self._seen += t
+
+    def update(self, key, value, cache_position):
+        self._append(key, value)
+        return self._k[:, :, self._start:self._end], self._v[:, :, self._start:self._end]
+
+    def key_positions(self, cache_position):
+        live = self._end - self._start
+        first = self._seen - live
+        return torch.arange(first, self._seen + cache_position.shape[0], device=cache_position.device)
+
+    def check_cache_position(self, cache_position):
+        t = cache_position.shape[0]
+        first, last = int(cache_position[0]), int(cache_position[-1])
+        if first != self._seen or last != self._seen + t - 1:
+            raise ValueError(
+                f"cache_position runs {first}..{last} but this {type(self).__name__} holds {self._seen} tokens, "
+                f"so the next positions must be {self._seen}..{self._seen + t - 1}. cache_position counts "
+                "tokens in the cache (padding included): pass torch.arange(cache.get_seq_length(), "
+                "cache.get_seq_length() + new_tokens), or crop the cache first."
+            )
+
+    def get_seq_length(self):
+        return self._seen
+
+    @property
+    def keys(self):
+        return None if self._k is None else self._k[:, :, self._start:self._end]
+
+    @property
+    def values(self):
+        return None if self._v is None else self._v[:, :, self._start:self._end]
+
+    def reset(self):
+        self._k = self._v = None
+        self._start = self._end = self._seen = 0
+
+    def crop(self, max_length):
+        if max_length >= self._seen:
+            return
+        first = self._seen - (self._end - self._start)
+        if max_length < first:
+            raise ValueError(
+                f"cannot crop to {max_length} tokens: this layer already dropped positions before {first}"
+            )
+        self._end -= self._seen - max_length
+        self._seen = max_length
+
+    def batch_select_indices(self, indices):
+        if self._k is not None:
+            self._k = self._k.index_select(0, indices.to(self._k.device))
+            self._v = self._v.index_select(0, indices.to(self._v.device))
+
+    def batch_repeat_interleave(self, repeats):
+        if self._k is not None:
+            self._k = self._k.repeat_interleave(repeats, dim=0)
+            self._v = self._v.repeat_interleave(repeats, dim=0)
+
+    def nbytes(self):
+        if self._k is None:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+
+    @classmethod
+    def from_tensors(cls, key: torch.Tensor, value: torch.Tensor) -> "DynamicLayer":
+        layer = cls()
+        layer._append(key, value)
+        return layer
+
+
+class DynamicSlidingWindowLayer(DynamicLayer):
+    """A growing layer that stops growing at its window: it keeps the last ``window - 1`` tokens.
+
+    A query attends to at most ``window`` keys (itself included), so ``window - 1`` old
+    tokens plus the new ones are all that any future query can see.
+    """
+
+    def __init__(self, sliding_window: int):
+        super().__init__()
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        self.sliding_window = sliding_window
+
+    def update(self, key, value, cache_position):
+        keep = self.sliding_window - 1
+        if self._end - self._start > keep:  # drop what no future query can see (no copy)
+            self._start = self._end - keep
+        return super().update(key, value, cache_position)
+
+    def key_positions(self, cache_position):
+        live = min(self._end - self._start, self.sliding_window - 1)
+        return torch.arange(self._seen - live, self._seen + cache_position.shape[0], device=cache_position.device)
+
+    def get_max_cache_shape(self):
+        return self.sliding_window
+
+
+class DynamicCache(Cache):
+    """The default cache: every layer grows as tokens come.
+
+    With ``config=model.config``, layers of sliding-window attention stop growing at
+    the window. Without a config, layers are created on first use.
+
+    Example:
+        >>> from kvgen import AutoModelForCausalLM, DynamicCache  # doctest: +SKIP
+        >>> cache = DynamicCache(config=model.config)              # doctest: +SKIP
+        >>> out = model.generate(**inputs, past_key_values=cache)  # doctest: +SKIP
+    """
+
+    def __init__(self, config=None, **unused_for_compatibility):
+        if config is None:
+            super().__init__(layer_factory=lambda i: DynamicLayer())
+            return
+        config = text_config(config)
+        layer_types = config_value(config, "layer_types") or []
+        window = config_value(config, "sliding_window")
+        layers = [
+            DynamicSlidingWindowLayer(window) if kind == "sliding_attention" and window else DynamicLayer()
+            for kind in layer_types
+        ]
+        super().__init__(layers=layers, layer_factory=None if layers else (lambda i: DynamicLayer()))
+
+    @classmethod
+    def from_legacy_cache(cls, past_key_values: LegacyCache | None) -> "DynamicCache":
+        """Build a cache from a tuple of ``(key, value)`` pairs, one per layer."""
+        cache = cls()
+        if past_key_values is None:
+            return cache
+        for i, pair in enumerate(past_key_values):
+            if len(pair) != 2 or not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in pair):
+                raise ValueError(
+                    f"legacy cache layer {i} must be a (key, value) pair of 4-D tensors (batch, heads, seq, "
+                    f"head_dim); got {[type(t).__name__ for t in pair]}"
+                )
+            cache.layers.append(DynamicLayer.from_tensors(*pair))
+        return cache
+
+
+@register_cache("dynamic")
+def _dynamic(config, batch_size, max_cache_len, device, dtype, cache_config):
+    return DynamicCache(config=config)

@@ -1,0 +1,158 @@
+"""Preallocated caches: :class:`StaticLayer`, :class:`StaticCache`.
+
+Buffers have a fixed number of slots, writes go through ``index_copy_`` at
+``cache_position`` and the fill level is a tensor, so a decode step has static shapes
+and ``torch.compile`` traces it once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
+from kvgen.cache.registry import register_cache
+
+
+class StaticLayer(CacheLayer):
+    """A layer with ``max_cache_len`` preallocated slots; slot ``i`` holds position ``i``.
+
+    Buffers are allocated on the first update (batch, device and dtype default to the
+    first keys'), so the cache can be built before the model's device is known.
+    """
+
+    is_compileable = True
+
+    def __init__(self, max_cache_len: int, batch_size: int | None = None, num_heads: int | None = None,
+                 head_dim: int | None = None, device=None, dtype=None):
+        if max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be positive, got {max_cache_len}")
+        self.max_cache_len = max_cache_len
+        self.batch_size, self.num_heads, self.head_dim = batch_size, num_heads, head_dim
+        self.device, self.dtype = device, dtype
+        self._k: torch.Tensor | None = None  # (B, H, max_cache_len, D)
+        self._v: torch.Tensor | None = None
+        self._seen: torch.Tensor | None = None  # (1,) int64: one past the highest written position
+        self._positions: torch.Tensor | None = None  # (max_cache_len,)
+        if None not in (batch_size, num_heads, head_dim, dtype):
+            self._allocate(batch_size, num_heads, head_dim, head_dim, torch.device(device or "cpu"), dtype)
+
+    def _allocate(self, batch, heads, k_dim, v_dim, device, dtype):
+        self._k = torch.zeros(batch, heads, self.max_cache_len, k_dim, device=device, dtype=dtype)
+        self._v = torch.zeros(batch, heads, self.max_cache_len, v_dim, device=device, dtype=dtype)
+        self._seen = torch.zeros(1, dtype=torch.long, device=device)
+        self._positions = torch.arange(self.max_cache_len, device=device)
+
+    def update(self, key, value, cache_position):
+        if self._k is None:
+            if self.batch_size is not None and key.shape[0] != self.batch_size:
+                raise ValueError(
+                    f"StaticCache was built for max_batch_size={self.batch_size} but got a batch of "
+                    f"{key.shape[0]}; build it with max_batch_size={key.shape[0]}"
+                )
+            self._allocate(key.shape[0], key.shape[1], key.shape[3], value.shape[3],
+                           torch.device(self.device) if self.device is not None else key.device,
+                           self.dtype or key.dtype)
+        self._k.index_copy_(2, cache_position, key.to(self._k.dtype))
+        self._v.index_copy_(2, cache_position, value.to(self._v.dtype))
+        torch.maximum(self._seen, cache_position[-1:] + 1, out=self._seen)
+        return self._k, self._v
+
+    def key_positions(self, cache_position):
+        if self._positions is None or self._positions.device != cache_position.device:
+            self._positions = torch.arange(self.max_cache_len, device=cache_position.device)
+        return self._positions
+
+    def check_cache_position(self, cache_position):
+        last = int(cache_position.max())
+        if last >= self.max_cache_len or int(cache_position.min()) < 0:
+            raise ValueError(
+                f"cache_position {last} does not fit a StaticCache of max_cache_len={self.max_cache_len}; "
+                f"build the cache with max_cache_len >= {last + 1} (prompt plus new tokens)"
+            )
+
+    def get_seq_length(self):
+        return 0 if self._seen is None else int(self._seen)
+
+    def get_max_cache_shape(self):
+        return self.max_cache_len
+
+    @property
+    def keys(self):
+        return None if self._k is None else self._k[:, :, : self.get_seq_length()]
+
+    @property
+    def values(self):
+        return None if self._v is None else self._v[:, :, : self.get_seq_length()]
+
+    def reset(self):
+        if self._k is not None:
+            self._k.zero_()
+            self._v.zero_()
+            self._seen.zero_()
+
+    def crop(self, max_length):
+        if self._k is not None and max_length < self.get_seq_length():
+            self._k[:, :, max_length:] = 0
+            self._v[:, :, max_length:] = 0
+            self._seen.fill_(max_length)
+
+    def batch_select_indices(self, indices):
+        if self._k is not None:
+            indices = indices.to(self._k.device)
+            if indices.shape[0] == self._k.shape[0]:  # keep the buffers (compiled graphs hold them)
+                self._k.copy_(self._k.index_select(0, indices))
+                self._v.copy_(self._v.index_select(0, indices))
+            else:
+                self._k = self._k.index_select(0, indices)
+                self._v = self._v.index_select(0, indices)
+
+    def batch_repeat_interleave(self, repeats):
+        if self._k is not None:
+            self._k = self._k.repeat_interleave(repeats, dim=0)
+            self._v = self._v.repeat_interleave(repeats, dim=0)
+        if self.batch_size is not None:
+            self.batch_size *= repeats
+
+    def nbytes(self):
+        if self._k is None:
+            return 0
+        return self._k.numel() * self._k.element_size() + self._v.numel() * self._v.element_size()
+
+
+class StaticCache(Cache):
+    """A preallocated cache of ``max_cache_len`` slots per layer, for ``torch.compile``.
+
+    ``max_batch_size``, ``device`` and ``dtype`` are optional: when left out, they are
+    taken from the first keys written.
+
+    Example:
+        >>> cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=1024,
+        ...                     device="cpu", dtype=torch.float32)         # doctest: +SKIP
+        >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=20)  # doctest: +SKIP
+    """
+
+    def __init__(self, config=None, max_batch_size: int | None = None, max_cache_len: int | None = None,
+                 device=None, dtype=None, batch_size: int | None = None, **unused_for_compatibility):
+        if config is None:
+            raise ValueError("StaticCache needs the model's config: StaticCache(config=model.config, max_cache_len=...)")
+        config = text_config(config)
+        max_cache_len = max_cache_len or config_value(config, "max_position_embeddings")
+        if max_cache_len is None:
+            raise ValueError("StaticCache needs max_cache_len (the prompt plus the tokens to generate)")
+        batch = max_batch_size or batch_size
+        n_layers = config_value(config, "num_hidden_layers")
+        heads = config_value(config, "num_key_value_heads") or config_value(config, "num_attention_heads")
+        head_dim = config_value(config, "head_dim") or (
+            config_value(config, "hidden_size") // config_value(config, "num_attention_heads"))
+        self.max_cache_len = max_cache_len
+        super().__init__(layers=[StaticLayer(max_cache_len, batch, heads, head_dim, device, dtype)
+                                 for _ in range(n_layers)])
+
+    def _empty_max_cache_shape(self):
+        return self.max_cache_len
+
+
+@register_cache("static")
+def _static(config, batch_size, max_cache_len, device, dtype, cache_config):
+    return StaticCache(config=config, max_batch_size=batch_size, max_cache_len=max_cache_len,
+                       device=device, dtype=dtype)

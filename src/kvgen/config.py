@@ -1,0 +1,146 @@
+"""Model configuration: a typed-enough attribute bag read from ``config.json``.
+
+Both spellings that Hugging Face has written over the years load: the older
+``rope_theta`` + ``rope_scaling`` and the newer ``rope_parameters``. After
+loading, every config exposes the same normalised fields that caches and models
+read: ``head_dim``, ``num_key_value_heads``, ``rope_parameters`` (a dict with at
+least ``rope_type`` and ``rope_theta``), ``layer_types`` and ``sliding_window``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+# Defaults per model_type for the fields that differ between families.
+_FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False},
+    "mistral": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "sliding_window": 4096},
+    "qwen2": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": True,
+              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False,
+              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+    "phi3": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": None},
+}
+
+
+class PretrainedConfig:
+    """Attribute bag for a model's ``config.json`` with normalised rope and layer fields.
+
+    Example:
+        >>> cfg = PretrainedConfig(model_type="llama", hidden_size=64, num_attention_heads=4,
+        ...                        num_hidden_layers=2, vocab_size=100, intermediate_size=128)
+        >>> cfg.head_dim, cfg.num_key_value_heads, cfg.rope_parameters["rope_type"]
+        (16, 4, 'default')
+    """
+
+    def __init__(self, **kwargs: Any):
+        model_type = kwargs.get("model_type", "llama")
+        for key, value in _FAMILY_DEFAULTS.get(model_type, {}).items():
+            kwargs.setdefault(key, value)
+        kwargs.setdefault("model_type", model_type)
+        kwargs.setdefault("tie_word_embeddings", False)
+        kwargs.setdefault("max_position_embeddings", 2048)
+        kwargs.setdefault("hidden_act", "silu")
+        kwargs.setdefault("use_cache", True)
+        self.__dict__.update(kwargs)
+        self._normalise()
+
+    # -- normalisation ---------------------------------------------------------------------------
+    def _normalise(self) -> None:
+        if "num_attention_heads" in self.__dict__ and "hidden_size" in self.__dict__:
+            if getattr(self, "num_key_value_heads", None) is None:
+                self.num_key_value_heads = self.num_attention_heads
+            if getattr(self, "head_dim", None) is None:
+                self.head_dim = self.hidden_size // self.num_attention_heads
+        self._normalise_rope()
+        self._normalise_layer_types()
+
+    def _normalise_rope(self) -> None:
+        params = getattr(self, "rope_parameters", None)
+        if params is None:
+            scaling = getattr(self, "rope_scaling", None) or {}
+            params = dict(scaling)
+            params["rope_theta"] = getattr(self, "rope_theta", 10000.0)
+        else:
+            params = dict(params)
+        # Old configs say "type", new ones "rope_type"; phi3 longrope configs say "su"/"yarn" etc.
+        rope_type = params.pop("type", None) or params.get("rope_type") or "default"
+        params["rope_type"] = rope_type
+        params.setdefault("rope_theta", getattr(self, "rope_theta", 10000.0))
+        if "partial_rotary_factor" not in params and getattr(self, "partial_rotary_factor", None) is not None:
+            params["partial_rotary_factor"] = self.partial_rotary_factor
+        self.rope_parameters = params
+        self.rope_theta = params["rope_theta"]
+
+    def _normalise_layer_types(self) -> None:
+        n = getattr(self, "num_hidden_layers", None)
+        if n is None:
+            return
+        if self.model_type in ("qwen2", "qwen3") and not getattr(self, "use_sliding_window", False):
+            self.sliding_window = None
+        window = getattr(self, "sliding_window", None)
+        if getattr(self, "layer_types", None) is None:
+            first_sliding = getattr(self, "max_window_layers", 0) if self.model_type in ("qwen2", "qwen3") else 0
+            self.layer_types = [
+                "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+                for i in range(n)
+            ]
+        if len(self.layer_types) != n:
+            raise ValueError(
+                f"config.layer_types has {len(self.layer_types)} entries but num_hidden_layers is {n}; "
+                "give one entry per layer."
+            )
+
+    # -- dict-like access --------------------------------------------------------------------------
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.__dict__.get(name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.__dict__
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({json.dumps(self.to_dict(), indent=1, sort_keys=True, default=str)})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PretrainedConfig) and self.to_dict() == other.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: copy.deepcopy(v) for k, v in self.__dict__.items() if not k.startswith("_")}
+
+    # -- files -------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PretrainedConfig":
+        return cls(**data)
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "PretrainedConfig":
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"config file not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); re-export the checkpoint's config.json.") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "PretrainedConfig":
+        from kvgen.loading.hub import resolve_model_dir
+
+        return cls.from_json_file(os.path.join(resolve_model_dir(path), "config.json"))
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+
+
+class AutoConfig:
+    """``AutoConfig.from_pretrained(path)`` reads ``config.json`` into a :class:`PretrainedConfig`."""
+
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike) -> PretrainedConfig:
+        return PretrainedConfig.from_pretrained(path)

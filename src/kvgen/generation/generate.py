@@ -1,0 +1,208 @@
+"""``generate()``: cache setup, prefill of the unseen tokens, then the decode loop.
+
+Generation owns the positions: ``cache_position`` indexes the cache timeline (padding
+counted), ``position_ids`` come from the attention mask (so left padding works), and
+only the tokens that the cache has not seen yet are fed.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from kvgen.cache.base import Cache
+from kvgen.cache.dynamic import DynamicCache
+from kvgen.cache.registry import create_cache
+from kvgen.generation.config import GenerationConfig
+from kvgen.generation.logits import build_processors
+from kvgen.generation.search import choose_next_tokens
+from kvgen.outputs import GenerateDecoderOnlyOutput
+
+
+def _positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions that skip left padding: (B, L) -> (B, L)."""
+    position_ids = attention_mask.long().cumsum(-1) - 1
+    return position_ids.masked_fill(attention_mask == 0, 1)
+
+
+def _compile_disabled(config: GenerationConfig) -> bool:
+    return config.disable_compile or os.environ.get("KVGEN_DISABLE_COMPILE", "") not in ("", "0")
+
+
+class GenerationMixin:
+    """Adds ``generate()`` to a causal language model."""
+
+    @torch.no_grad()
+    def generate(self, inputs: torch.LongTensor | None = None, generation_config: GenerationConfig | None = None,
+                 streamer=None, **kwargs):
+        """Generate tokens after ``input_ids`` (greedy or sampling), with any cache.
+
+        Keyword arguments are generation settings (see :class:`GenerationConfig`) and the
+        model inputs ``input_ids``, ``attention_mask`` and ``past_key_values`` (a cache to
+        fill or continue: only the tokens it has not seen are fed).
+        Returns the sequences (B, L + new), or a ``GenerateDecoderOnlyOutput`` with
+        ``return_dict_in_generate=True``.
+        """
+        config = (generation_config or self.generation_config).copy()
+        model_inputs = config.update(**kwargs)
+        input_ids = inputs if inputs is not None else model_inputs.pop("input_ids", None)
+        attention_mask = model_inputs.pop("attention_mask", None)
+        past_key_values = model_inputs.pop("past_key_values", None)
+        if model_inputs:
+            raise TypeError(f"generate() got arguments it does not know: {sorted(model_inputs)}")
+        config.validate()
+        if config.num_beams > 1 or config.num_beam_groups > 1:
+            raise NotImplementedError(
+                "beam search (num_beams > 1) is not available in this kvgen version; use greedy decoding or "
+                "do_sample=True"
+            )
+        eos_ids = config.eos_ids()
+        if config.pad_token_id is None and eos_ids:
+            config.pad_token_id = eos_ids[0]
+
+        device = self.device
+        if input_ids is None:
+            if config.bos_token_id is None:
+                raise ValueError("pass input_ids (the model's config has no bos_token_id to start from)")
+            input_ids = torch.full((1, 1), config.bos_token_id, dtype=torch.long, device=device)
+        input_ids = input_ids.to(device)
+        if attention_mask is None:
+            pad = config.pad_token_id
+            if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+                attention_mask = (input_ids != pad).long()
+            else:
+                attention_mask = torch.ones_like(input_ids)
+        attention_mask = attention_mask.to(device)
+        if bool((attention_mask[:, -1] == 0).any()):
+            warnings.warn("the batch is right-padded; set tokenizer.padding_side = 'left' for correct generation")
+
+        legacy_in = isinstance(past_key_values, (tuple, list))
+        cache = DynamicCache.from_legacy_cache(past_key_values) if legacy_in else past_key_values
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(f"past_key_values must be a kvgen Cache or a legacy tuple, got {type(cache).__name__}")
+
+        if config.num_return_sequences > 1:
+            n = config.num_return_sequences
+            input_ids = input_ids.repeat_interleave(n, dim=0)
+            attention_mask = attention_mask.repeat_interleave(n, dim=0)
+            if cache is not None and cache.get_seq_length() > 0:
+                cache.batch_repeat_interleave(n)
+
+        batch, prompt_length = input_ids.shape
+        max_length = (prompt_length + config.max_new_tokens if config.max_new_tokens is not None
+                      else config.max_length)
+        if cache is None and config.use_cache:
+            cache = create_cache(config.cache_implementation or "dynamic", config=self.config, batch_size=batch,
+                                 max_cache_len=max_length, device=device, dtype=self.dtype,
+                                 cache_config=config.cache_config)
+        elif config.cache_implementation is not None and cache is not None and past_key_values is not None:
+            raise ValueError("pass either past_key_values or cache_implementation, not both")
+        if not config.use_cache:
+            cache = None
+
+        seen = 0 if cache is None else cache.get_seq_length()
+        if seen > prompt_length:
+            raise ValueError(
+                f"the cache holds {seen} tokens but input_ids has only {prompt_length}: pass the whole "
+                "sequence (the cached prefix followed by the new tokens)"
+            )
+        if seen == prompt_length:  # nothing new to feed: recompute the last token to get its logits
+            cache.crop(prompt_length - 1)
+            seen = prompt_length - 1
+        capacity = None if cache is None else cache.get_max_cache_shape()
+        if capacity is not None and cache.is_compileable and max_length > capacity:
+            raise ValueError(
+                f"max_length {max_length} (prompt {prompt_length} + new tokens) exceeds the cache's "
+                f"max_cache_len {capacity}; build the cache with max_cache_len >= {max_length}"
+            )
+
+        processors = build_processors(config, prompt_length)
+        position_ids = _positions_from_mask(attention_mask)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        scores_out, logits_out = [], []
+        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
+        eos = torch.tensor(eos_ids, device=device) if eos_ids else None
+        step = self._decode_step(cache, config, batch, max_length)
+
+        # prefill: every token the cache has not seen
+        cache_position = torch.arange(seen, prompt_length, device=device)
+        if cache is None:
+            logits = self(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False, logits_to_keep=1).logits
+        else:
+            logits = self(input_ids[:, seen:], attention_mask=attention_mask, position_ids=position_ids[:, seen:],
+                          past_key_values=cache, cache_position=cache_position, use_cache=True,
+                          logits_to_keep=1).logits
+        while True:
+            raw = logits[:, -1, :].float()
+            scores = raw
+            for processor in processors:
+                scores = processor(input_ids, scores)
+            if config.output_scores:
+                scores_out.append(scores)
+            if config.output_logits:
+                logits_out.append(raw)
+            next_tokens = choose_next_tokens(scores, config.do_sample)
+            if eos is not None:
+                next_tokens = torch.where(unfinished, next_tokens, config.pad_token_id)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            if streamer is not None:
+                streamer.put(next_tokens.cpu())
+            if eos is not None:
+                unfinished &= ~torch.isin(next_tokens, eos)
+            if input_ids.shape[1] >= max_length or not bool(unfinished.any()):
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1], dim=-1)
+            logits = step(input_ids, attention_mask, position_ids)
+        if streamer is not None:
+            streamer.end()
+
+        if not config.return_dict_in_generate:
+            return input_ids
+        if cache is not None and (config.return_legacy_cache or legacy_in):
+            cache = cache.to_legacy_cache()
+        return GenerateDecoderOnlyOutput(sequences=input_ids,
+                                         scores=tuple(scores_out) if config.output_scores else None,
+                                         logits=tuple(logits_out) if config.output_logits else None,
+                                         past_key_values=cache)
+
+    def _decode_step(self, cache: Cache | None, config: GenerationConfig, batch: int, max_length: int):
+        """A function (input_ids, attention_mask, position_ids) -> logits (B, 1, V) for the newest token."""
+        if cache is None:
+            def uncached(input_ids, attention_mask, position_ids):
+                return self(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, logits_to_keep=1).logits
+            return uncached
+
+        if not cache.is_compileable or _compile_disabled(config):
+            def eager(input_ids, attention_mask, position_ids):
+                t = input_ids.shape[1] - 1
+                return self(input_ids[:, -1:], attention_mask=attention_mask, position_ids=position_ids[:, -1:],
+                            past_key_values=cache, use_cache=True,
+                            cache_position=torch.tensor([t], device=input_ids.device), logits_to_keep=1).logits
+            return eager
+
+        # Static shapes: the mask always spans every slot, so one compiled graph serves all steps.
+        compiled = self.compiled_forward()
+        capacity = cache.get_max_cache_shape()
+
+        def static(input_ids, attention_mask, position_ids):
+            t = input_ids.shape[1] - 1
+            full_mask = attention_mask.new_ones(batch, capacity)
+            full_mask[:, : attention_mask.shape[1]] = attention_mask
+            # contiguous inputs: slices of the growing tensors change stride, which would recompile
+            return compiled(input_ids[:, -1:].contiguous(), attention_mask=full_mask,
+                            position_ids=position_ids[:, -1:].contiguous(),
+                            past_key_values=cache, use_cache=True,
+                            cache_position=torch.tensor([t], device=input_ids.device), logits_to_keep=1).logits
+        return static
+
+    def compiled_forward(self):
+        """``torch.compile``'d forward for static-shape decode steps (built once per model)."""
+        if getattr(self, "_compiled_forward", None) is None:
+            self._compiled_forward = torch.compile(self.forward, dynamic=False, fullgraph=False)
+        return self._compiled_forward

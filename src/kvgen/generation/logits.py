@@ -1,0 +1,75 @@
+"""Logits processors and warpers, in transformers' order and arithmetic (so sampling is comparable)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def repetition_penalty(penalty: float) -> Processor:
+    def apply(input_ids, scores):
+        score = torch.gather(scores, 1, input_ids)
+        score = torch.where(score < 0, score * penalty, score / penalty)
+        return scores.scatter(1, input_ids, score)
+
+    return apply
+
+
+def suppress_eos_until(eos_ids: list[int], min_total_length: int) -> Processor:
+    """Forbid EOS while the sequence (prompt included) is shorter than ``min_total_length``."""
+    eos = torch.tensor(eos_ids)
+
+    def apply(input_ids, scores):
+        if input_ids.shape[-1] < min_total_length:
+            scores = scores.clone()
+            scores[:, eos.to(scores.device)] = -float("inf")
+        return scores
+
+    return apply
+
+
+def temperature(value: float) -> Processor:
+    return lambda input_ids, scores: scores / value
+
+
+def top_k(k: int, min_tokens_to_keep: int = 1) -> Processor:
+    def apply(input_ids, scores):
+        kk = min(max(k, min_tokens_to_keep), scores.shape[-1])
+        threshold = torch.topk(scores, kk)[0][..., -1, None]
+        return scores.masked_fill(scores < threshold, -float("inf"))
+
+    return apply
+
+
+def top_p(p: float, min_tokens_to_keep: int = 1) -> Processor:
+    def apply(input_ids, scores):
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - p)
+        remove[..., -min_tokens_to_keep:] = 0
+        return scores.masked_fill(remove.scatter(1, sorted_indices, remove), -float("inf"))
+
+    return apply
+
+
+def build_processors(config, prompt_length: int) -> list[Processor]:
+    """The processors ``config`` asks for, in the order transformers applies them."""
+    processors: list[Processor] = []
+    if config.repetition_penalty != 1.0:
+        processors.append(repetition_penalty(config.repetition_penalty))
+    eos = config.eos_ids()
+    if eos and config.min_length > 0:
+        processors.append(suppress_eos_until(eos, config.min_length))
+    if eos and config.min_new_tokens:
+        processors.append(suppress_eos_until(eos, prompt_length + config.min_new_tokens))
+    if config.do_sample:
+        if config.temperature != 1.0:
+            processors.append(temperature(config.temperature))
+        if config.top_k:
+            processors.append(top_k(config.top_k))
+        if config.top_p < 1.0:
+            processors.append(top_p(config.top_p))
+    return processors

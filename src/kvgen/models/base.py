@@ -1,0 +1,223 @@
+"""What every kvgen model shares: loading from checkpoints, device and dtype, ``generate()``,
+and the decoder-input preparation (cache, ``cache_position``, ``position_ids``) of the seeds' contract.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvgen.cache.base import Cache
+from kvgen.cache.dynamic import DynamicCache
+from kvgen.config import PretrainedConfig
+from kvgen.generation.config import GenerationConfig
+from kvgen.generation.generate import GenerationMixin
+from kvgen.loading.hub import resolve_model_dir
+from kvgen.masks import attention_mask as build_mask, check_padding_mask
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype, config: PretrainedConfig) -> torch.dtype:
+    """``torch.float16`` / ``"float16"`` / ``"auto"`` (the checkpoint's dtype) / ``None`` (float32)."""
+    if dtype is None:
+        return torch.float32
+    if dtype == "auto":
+        dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if str(dtype).removeprefix("torch.") in _DTYPES:
+        return _DTYPES[str(dtype).removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}; use torch.float32, torch.float16, torch.bfloat16 or 'auto'")
+
+
+def parse_device_map(device_map) -> torch.device:
+    """Place the whole model on one device: ``"auto"``, ``"cpu"``, ``"cuda:0"``, ``0`` or ``{"": 0}``."""
+    if device_map is None:
+        return torch.device("cpu")
+    if isinstance(device_map, dict):
+        targets = set(device_map.values())
+        if len(targets) != 1:
+            raise ValueError(f"device_map {device_map} splits the model; kvgen places a model on one device")
+        device_map = targets.pop()
+    if device_map == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device_map, int):
+        return torch.device("cuda", device_map)
+    return torch.device(device_map)
+
+
+class PreTrainedModel(nn.Module, GenerationMixin):
+    """Base of every kvgen model: ``from_pretrained``, ``device``, ``dtype``, ``generate``.
+
+    Subclasses set ``model_types`` and implement ``convert_checkpoint`` (checkpoint
+    names -> module names) and ``forward``.
+    """
+
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.config = config
+        self.generation_config = GenerationConfig.from_model_config(config)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @classmethod
+    def convert_checkpoint(cls, state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+        return state_dict
+
+    # -- loading -----------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, dtype=None, torch_dtype=None,
+                        device_map=None, gguf_file: str | None = None, revision: str = "main"):
+        """Load from an HF folder (single or sharded safetensors), a hub id, or a GGUF file."""
+        from kvgen.loading.checkpoint import load_safetensors_state_dict, read_generation_config
+
+        if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
+            raise ValueError("pass dtype= or torch_dtype= (the older name), not both")
+        dtype = dtype if dtype is not None else torch_dtype
+        path = Path(str(pretrained_model_name_or_path)).expanduser()
+        if gguf_file is None and path.suffix == ".gguf":
+            path, gguf_file = path.parent, path.name
+        folder = resolve_model_dir(path, revision)
+        generation = None
+        if gguf_file is not None:
+            from kvgen.loading.gguf import load_gguf
+
+            config_dict, state_dict = load_gguf(folder / gguf_file)
+            config = PretrainedConfig.from_dict(config_dict)
+        else:
+            config = PretrainedConfig.from_json_file(folder / "config.json")
+            state_dict = load_safetensors_state_dict(folder)
+            generation = read_generation_config(folder)
+        model_cls = cls._class_for(config)
+        model = model_cls._from_state_dict(config, state_dict, parse_dtype(dtype, config),
+                                           parse_device_map(device_map))
+        if generation:
+            model.generation_config = GenerationConfig.from_dict(generation)
+        model.name_or_path = str(pretrained_model_name_or_path)
+        return model
+
+    @classmethod
+    def _class_for(cls, config: PretrainedConfig) -> type["PreTrainedModel"]:
+        if config.model_type not in cls.model_types:
+            raise ValueError(
+                f"{cls.__name__} cannot load a checkpoint of model_type {config.model_type!r}; "
+                f"it loads {', '.join(cls.model_types)}. Use AutoModelForCausalLM."
+            )
+        return cls
+
+    @classmethod
+    def _from_state_dict(cls, config, state_dict, dtype, device) -> "PreTrainedModel":
+        with torch.device("meta"):
+            model = cls(config)
+        state_dict = cls.convert_checkpoint(state_dict, config)
+        expected = model.state_dict()
+        missing = [name for name in expected if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in expected]
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint tensors do not match the {config.model_type} config "
+                f"({config.get('num_hidden_layers')} layers): missing {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''}"
+            )
+        for name, param in expected.items():
+            if tuple(state_dict[name].shape) != tuple(param.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(state_dict[name].shape)} but the config "
+                    f"(hidden_size={config.get('hidden_size')}, heads={config.get('num_attention_heads')}, "
+                    f"kv_heads={config.get('num_key_value_heads')}) needs {tuple(param.shape)}"
+                )
+        model.load_state_dict({k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
+                               for k, v in state_dict.items()}, assign=True, strict=True)
+        model.tie_weights()
+        model.init_buffers(device)
+        model.requires_grad_(False)
+        return model.eval()
+
+    def tie_weights(self) -> None:
+        """Share input and output embeddings when the config says so (subclasses with heads override)."""
+
+    def init_buffers(self, device) -> None:
+        """Recreate non-persistent buffers (e.g. rotary tables) that the meta-device build left empty."""
+
+
+# -- decoder inputs (the seeds' forward contract) -------------------------------------------------------
+
+def prepare_decoder_inputs(config, batch: int, length: int, device, past_key_values, use_cache: bool | None,
+                           cache_position: torch.Tensor | None, position_ids: torch.Tensor | None,
+                           attention_mask: torch.Tensor | None):
+    """Resolve the cache and the positions of ``length`` new tokens.
+
+    Returns ``(cache, return_legacy, cache_position, position_ids)``. A legacy tuple cache
+    is converted and will be returned as a tuple; ``use_cache=False`` gives no cache.
+    ``cache_position`` defaults to the positions after what the cache holds and is checked
+    against it; ``position_ids`` default to ``cache_position`` (as in transformers).
+    """
+    use_cache = config.get("use_cache", True) if use_cache is None else use_cache
+    legacy = isinstance(past_key_values, (tuple, list))
+    if legacy:
+        past_key_values = DynamicCache.from_legacy_cache(past_key_values)
+    elif past_key_values is not None and not isinstance(past_key_values, Cache):
+        raise TypeError(
+            f"past_key_values must be a kvgen Cache or a legacy tuple of (key, value) pairs, "
+            f"got {type(past_key_values).__name__}"
+        )
+    cache = (past_key_values if past_key_values is not None else DynamicCache(config=config)) if use_cache else None
+    compiling = torch.compiler.is_compiling()
+    if cache_position is None:
+        start = cache.get_seq_length() if cache is not None else 0
+        cache_position = torch.arange(start, start + length, device=device)
+    elif not compiling:
+        if cache_position.dim() != 1 or cache_position.shape[0] != length:
+            raise ValueError(
+                f"cache_position must be 1-D with one entry per new token ({length}); got shape "
+                f"{tuple(cache_position.shape)}. For a filled cache pass torch.arange(past, past + new_tokens)."
+            )
+    if cache is not None and not compiling:
+        cache.check_cache_position(cache_position)
+    if attention_mask is not None and not compiling:
+        check_padding_mask(attention_mask, int(cache_position[-1]) + 1)
+        if attention_mask.shape[0] != batch:
+            raise ValueError(f"attention_mask has batch {attention_mask.shape[0]} but the input has {batch}")
+    if position_ids is None:
+        position_ids = cache_position.unsqueeze(0).expand(batch, -1)
+    return cache, legacy, cache_position, position_ids
+
+
+class LayerMasks:
+    """Builds each distinct attention mask of a forward pass once, shared by layers alike."""
+
+    def __init__(self, cache: Cache | None, cache_position: torch.Tensor, padding_mask: torch.Tensor | None):
+        self.cache, self.cache_position, self.padding_mask = cache, cache_position, padding_mask
+        self.static = torch.compiler.is_compiling()
+        self._built: dict[tuple, tuple[torch.Tensor | None, bool]] = {}
+
+    def __call__(self, layer_idx: int, sliding_window: int | None) -> tuple[torch.Tensor | None, bool]:
+        group = (None if self.cache is None else self.cache.mask_group(layer_idx), sliding_window)
+        if group not in self._built:
+            keys = (self.cache_position if self.cache is None
+                    else self.cache.key_positions(layer_idx, self.cache_position))
+            self._built[group] = build_mask(self.cache_position, keys, self.padding_mask, sliding_window,
+                                            static=self.static)
+        return self._built[group]
+
+
+def finish_cache(cache: Cache | None, legacy: bool) -> Any:
+    """What ``forward`` returns as ``past_key_values``."""
+    if cache is not None and legacy:
+        return cache.to_legacy_cache()
+    return cache

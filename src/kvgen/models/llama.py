@@ -1,0 +1,198 @@
+"""The Llama family in one file: llama, mistral, qwen2, qwen3 and phi3, told apart by config flags.
+
+* mistral: ``sliding_window`` on every layer;
+* qwen2: biases on q/k/v, sliding window on layers past ``max_window_layers`` when enabled;
+* qwen3: RMSNorm on each query and key head (``q_norm``/``k_norm``);
+* phi3: fused ``qkv_proj`` and ``gate_up_proj`` in the checkpoint, partial rotary.
+
+Every family runs fused q/k/v and gate/up projections (one matmul each per layer);
+separate checkpoint tensors are concatenated at load time.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
+from kvgen.outputs import CausalLMOutputWithPast
+from kvgen.rope import RotaryEmbedding, apply_rotary
+
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim ** -0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        bias = config.get("attention_bias", False)
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        o_bias = bias and config.model_type != "qwen2"  # qwen2 has biases on q/k/v only
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        is_sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if is_sliding else None
+
+    def forward(self, x, cos, sin, masks: LayerMasks, cache, cache_position):
+        b, t, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        mask, is_causal = masks(self.layer_idx, self.sliding_window)  # before the update: it asks the cache
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, {"cache_position": cache_position})
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=config.get("mlp_bias", False))
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.get("mlp_bias", False))
+        self.act = ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, masks, cache, cache_position):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks, cache, cache_position)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+class LlamaForCausalLM(PreTrainedModel):
+    """Decoder-only Llama-family language model.
+
+    Example:
+        >>> from kvgen import AutoModelForCausalLM, AutoTokenizer          # doctest: +SKIP
+        >>> model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # doctest: +SKIP
+        >>> out = model(**tokenizer("Hello", return_tensors="pt"))         # doctest: +SKIP
+        >>> out.logits.shape, out.past_key_values.get_seq_length()         # doctest: +SKIP
+    """
+
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_buffers(self, device):
+        self.model.rotary_emb = RotaryEmbedding(self.config, device=device)
+
+    @classmethod
+    def convert_checkpoint(cls, state_dict, config):
+        """Fuse q/k/v and gate/up tensors of separate-projection checkpoints; drop tied/unused tensors."""
+        out = {}
+        for name, tensor in state_dict.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            out[name] = tensor
+        for i in range(config.num_hidden_layers):
+            attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            for kind in ("weight", "bias"):
+                parts = [attn + p + "_proj." + kind for p in "qkv"]
+                if all(p in out for p in parts):
+                    out[attn + "qkv_proj." + kind] = torch.cat([out.pop(p) for p in parts], dim=0)
+                parts = [mlp + p + "_proj." + kind for p in ("gate", "up")]
+                if all(p in out for p in parts):
+                    out[mlp + "gate_up_proj." + kind] = torch.cat([out.pop(p) for p in parts], dim=0)
+        return out
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values=None,
+                cache_position: torch.LongTensor | None = None, use_cache: bool | None = None,
+                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int = 0,
+                return_dict: bool = True) -> CausalLMOutputWithPast:
+        """Run the new tokens through the model, reading and extending ``past_key_values``.
+
+        ``attention_mask`` is (batch, past + new) with 0 on padding; ``cache_position`` holds
+        the new tokens' indices in the cache (padding counted); ``logits_to_keep=n`` computes
+        logits for the last ``n`` positions only (0: all).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, hidden)
+        b, t = x.shape[:2]
+        cache, legacy, cache_position, position_ids = prepare_decoder_inputs(
+            self.config, b, t, x.device, past_key_values, use_cache, cache_position, position_ids, attention_mask)
+        cos, sin = self.model.rotary_emb(position_ids, x.dtype)
+        masks = LayerMasks(cache, cache_position, attention_mask)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, masks, cache, cache_position)
+        x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
+        out = CausalLMOutputWithPast(logits=self.lm_head(x), past_key_values=finish_cache(cache, legacy))
+        return out if return_dict else out.to_tuple()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    model_types = ("mistral",)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    model_types = ("qwen2",)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    model_types = ("qwen3",)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    model_types = ("phi3",)
