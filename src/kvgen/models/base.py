@@ -124,7 +124,12 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         with torch.device("meta"):
             model = cls(config)
         state_dict = cls.convert_checkpoint(state_dict, config)
-        expected = model.state_dict()
+        seen_ids: set[int] = set()
+        expected = {}  # tied tensors (e.g. lm_head = embeddings) are expected once, under their first name
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) not in seen_ids:
+                seen_ids.add(id(tensor))
+                expected[name] = tensor
         missing = [name for name in expected if name not in state_dict]
         unexpected = [name for name in state_dict if name not in expected]
         if missing or unexpected:
@@ -142,7 +147,7 @@ class PreTrainedModel(nn.Module, GenerationMixin):
                     f"kv_heads={config.get('num_key_value_heads')}) needs {tuple(param.shape)}"
                 )
         model.load_state_dict({k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
-                               for k, v in state_dict.items()}, assign=True, strict=True)
+                               for k, v in state_dict.items()}, assign=True, strict=False)
         model.tie_weights()
         model.init_buffers(device)
         model.requires_grad_(False)
