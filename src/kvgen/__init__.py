@@ -6,20 +6,14 @@ from kvgen.config import AutoConfig, PretrainedConfig
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.streamers import TextStreamer
 from kvgen.models import AutoModelForCausalLM
+from kvgen.tokenizer import AutoTokenizer, BatchEncoding, PreTrainedTokenizerFast
 from kvgen.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                 Qwen3ForCausalLM)
 
 __all__ = [
-    "AutoConfig", "AutoModelForCausalLM", "Cache", "CacheLayer", "DynamicCache", "DynamicLayer",
+    "AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "BatchEncoding", "PreTrainedTokenizerFast", "Cache", "CacheLayer", "DynamicCache", "DynamicLayer",
     "DynamicSlidingWindowLayer", "GenerationConfig", "LlamaForCausalLM", "MistralForCausalLM",
     "Phi3ForCausalLM", "PretrainedConfig", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "StaticCache", "StaticLayer",
     "TextStreamer", "cache_implementations",
 ]
 
-
-def __getattr__(name):  # the tokenizer imports lazily (it pulls in gguf and jinja2)
-    if name == "AutoTokenizer":
-        from kvgen.tokenizer import AutoTokenizer
-
-        return AutoTokenizer
-    raise AttributeError(f"module 'kvgen' has no attribute {name!r}")

@@ -70,7 +70,7 @@ def _download(repo_id: str, revision: str) -> Path:
         ) from None
     try:
         return Path(snapshot_download(repo_id, revision=revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.gguf"]))
+                                      allow_patterns=["*.json", "*.jinja", "*.safetensors", "*.model", "*.txt", "*.gguf"]))
     except Exception as e:  # huggingface_hub raises many connection error types
         raise OSError(
             f"{repo_id!r} is not in the local Hugging Face cache ({where}) and downloading it failed "

@@ -1,0 +1,568 @@
+"""Tokenizers with the Hugging Face ``AutoTokenizer`` API, built on the ``tokenizers`` library.
+
+A tokenizer loads from a folder holding ``tokenizer.json`` (plus the optional
+``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja`` or
+``chat_template.json``), from a hub id, or from the vocabulary embedded in a GGUF file
+(``tokenizer.ggml.model`` "gpt2" byte-level BPE or "llama" SentencePiece-style BPE),
+built the way transformers builds it so that the ids match. Chat templates render in a
+sandboxed jinja2 environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import torch
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from kvgen.loading.hub import resolve_model_dir
+
+VERY_LARGE_INTEGER = int(1e30)  # transformers' model_max_length for "no limit"
+_LARGE_INTEGER = int(1e20)
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_IGNORED_LOAD_KWARGS = {"use_fast", "trust_remote_code", "local_files_only", "cache_dir", "token"}
+
+# Pre-tokenizer splits by `tokenizer.ggml.pre`, as transformers' GGUF converter uses them;
+# any other value (e.g. "smollm") keeps the plain GPT-2 byte-level split.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GGUF_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+}
+# Architectures whose SentencePiece vocabularies transformers rebuilds differently (not supported here).
+_UNSUPPORTED_SENTENCEPIECE_ARCHS = {"gemma", "gemma2", "gemma3", "phi3"}
+
+
+class BatchEncoding(dict):
+    """The tokenizer's output: a dict whose keys (``input_ids``, ``attention_mask``) are also attributes.
+
+    Example:
+        >>> enc = tokenizer(["Hi", "Hello there"], padding=True, return_tensors="pt").to("cpu")
+        >>> enc.input_ids.shape == enc["attention_mask"].shape
+        True
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"BatchEncoding has no field {name!r}; it has {sorted(self)}") from None
+
+    def to(self, device: str | torch.device) -> BatchEncoding:
+        """Move every tensor to ``device`` in place and return ``self``."""
+        for key, value in self.items():
+            if isinstance(value, torch.Tensor):
+                self[key] = value.to(device)
+        return self
+
+
+def _special_properties(name: str) -> tuple[property, property]:
+    """``<name>`` and ``<name>_id`` properties over ``self._special[name]``, both settable."""
+
+    def set_token(self: PreTrainedTokenizerFast, value: Any) -> None:
+        self._special[name] = None if value is None else str(value)
+
+    def get_id(self: PreTrainedTokenizerFast) -> int | None:
+        return None if self._special[name] is None else self.convert_tokens_to_ids(self._special[name])
+
+    def set_id(self: PreTrainedTokenizerFast, value: int | None) -> None:
+        self._special[name] = None if value is None else self._tokenizer.id_to_token(int(value))
+
+    label = name.replace("_", " ")
+    return (property(lambda self: self._special[name], set_token, doc=f"The {label} string, or None."),
+            property(get_id, set_id, doc=f"The id of the {label}, or None."))
+
+
+def _add_flag(attribute: str, doc: str) -> property:
+    """A settable add_bos_token/add_eos_token flag; setting it rebuilds the post-processor."""
+
+    def set_(self: PreTrainedTokenizerFast, value: bool) -> None:
+        setattr(self, attribute, bool(value))
+        self._explicit_bos_eos = True
+        self._update_post_processor()
+
+    return property(lambda self: getattr(self, attribute), set_, doc=doc)
+
+
+class PreTrainedTokenizerFast:
+    """A ``tokenizers.Tokenizer`` with transformers' encode/decode, padding and chat-template API.
+
+    Usually made by :meth:`AutoTokenizer.from_pretrained`.
+
+    Example:
+        >>> tok = AutoTokenizer.from_pretrained("path/to/model")
+        >>> tok.pad_token = tok.pad_token or tok.eos_token
+        >>> tok.padding_side = "left"
+        >>> batch = tok(["Hello", "A longer prompt"], padding=True, return_tensors="pt")
+        >>> tok.batch_decode(batch.input_ids, skip_special_tokens=True)
+        ['Hello', 'A longer prompt']
+    """
+
+    bos_token, bos_token_id = _special_properties("bos_token")
+    eos_token, eos_token_id = _special_properties("eos_token")
+    unk_token, unk_token_id = _special_properties("unk_token")
+    sep_token, sep_token_id = _special_properties("sep_token")
+    pad_token, pad_token_id = _special_properties("pad_token")
+    cls_token, cls_token_id = _special_properties("cls_token")
+    mask_token, mask_token_id = _special_properties("mask_token")
+    add_bos_token = _add_flag("_add_bos_token", "Whether ``add_special_tokens=True`` prepends the BOS token.")
+    add_eos_token = _add_flag("_add_eos_token", "Whether ``add_special_tokens=True`` appends the EOS token.")
+
+    def __init__(self, tokenizer_object: Tokenizer | None = None, *, tokenizer_file: str | os.PathLike | None = None,
+                 additional_special_tokens: list[str] | tuple[str, ...] = (),
+                 chat_template: str | dict[str, str] | None = None,
+                 padding_side: str = "right", truncation_side: str = "right",
+                 model_max_length: int = VERY_LARGE_INTEGER, add_bos_token: bool | None = None,
+                 add_eos_token: bool | None = None, name_or_path: str = "", **special_tokens: str | None):
+        if (tokenizer_object is None) == (tokenizer_file is None):
+            raise ValueError("pass exactly one of tokenizer_object (a tokenizers.Tokenizer) or tokenizer_file "
+                             "(a path to tokenizer.json)")
+        unknown = set(special_tokens) - set(SPECIAL_TOKEN_NAMES)
+        if unknown:
+            raise TypeError(f"unexpected arguments {sorted(unknown)}; special tokens are {SPECIAL_TOKEN_NAMES}")
+        self._tokenizer = tokenizer_object if tokenizer_object is not None else Tokenizer.from_file(str(tokenizer_file))
+        json_padding = self._tokenizer.padding
+        self._tokenizer.no_padding()  # padding and truncation are applied per call
+        self._tokenizer.no_truncation()
+        if json_padding and special_tokens.get("pad_token") is None:
+            special_tokens["pad_token"] = json_padding["pad_token"]
+        self._special = {name: None if special_tokens.get(name) is None else str(special_tokens[name])
+                         for name in SPECIAL_TOKEN_NAMES}
+        self.additional_special_tokens = [str(token) for token in additional_special_tokens]
+        self.chat_template = chat_template
+        self.padding_side = padding_side
+        self.truncation_side = truncation_side
+        self.model_max_length = model_max_length
+        self.name_or_path = name_or_path
+        # Named special tokens missing from the added tokens become special added tokens, as in transformers.
+        added = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
+        missing = [token for token in dict.fromkeys(self.all_special_tokens) if token not in added]
+        self._tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in missing])
+        # Explicit add_bos/add_eos flags (or no post-processor) replace tokenizer.json's post-processor.
+        self._add_bos_token, self._add_eos_token = bool(add_bos_token), bool(add_eos_token)
+        self._explicit_bos_eos = (add_bos_token is not None or add_eos_token is not None
+                                  or self._tokenizer.post_processor is None)
+        if self._explicit_bos_eos:
+            self._update_post_processor()
+
+    # -- special tokens -----------------------------------------------------------------------------
+    def _update_post_processor(self) -> None:
+        bos, eos = self.bos_token, self.eos_token
+        add_bos, add_eos = self._add_bos_token and bos is not None, self._add_eos_token and eos is not None
+        first = [f"{bos}:0"] * add_bos + ["$A:0"] + [f"{eos}:0"] * add_eos
+        second = [f"{bos}:1"] * add_bos + ["$B:1"] + [f"{eos}:1"] * add_eos
+        special = [(bos, self.bos_token_id)] * add_bos + [(eos, self.eos_token_id)] * add_eos
+        self._tokenizer.post_processor = processors.TemplateProcessing(
+            single=" ".join(first), pair=" ".join(first + second), special_tokens=special)
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The named special tokens that are set, e.g. ``{"bos_token": "<s>", ...}``."""
+        return {name: token for name, token in self._special.items() if token is not None}
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The named special tokens followed by the additional ones, without repeats."""
+        return list(dict.fromkeys([*self.special_tokens_map.values(), *self.additional_special_tokens]))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return self.convert_tokens_to_ids(self.all_special_tokens)
+
+    # -- vocabulary ---------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Size of the base vocabulary, without added tokens."""
+        return self._tokenizer.get_vocab_size(with_added_tokens=False)
+
+    def __len__(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend_tokenizer(self) -> Tokenizer:
+        """The underlying ``tokenizers.Tokenizer``."""
+        return self._tokenizer
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._tokenizer.get_vocab(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list[int | None]:
+        """Look tokens up; unknown ones map to ``unk_token_id`` (None without an unk token)."""
+        if isinstance(tokens, str):
+            index = self._tokenizer.token_to_id(tokens)
+            if index is None and self.unk_token is not None:
+                index = self._tokenizer.token_to_id(self.unk_token)
+            return index
+        return [self.convert_tokens_to_ids(token) for token in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | list[int] | torch.Tensor,
+                              skip_special_tokens: bool = False) -> str | None | list[str | None]:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        if isinstance(ids, int):
+            return self._tokenizer.id_to_token(ids)
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self._tokenizer.id_to_token(int(index)) for index in ids if int(index) not in skip]
+
+    # -- encoding -----------------------------------------------------------------------------------
+    @property
+    def padding_side(self) -> str:
+        """``"right"`` or ``"left"`` (left is what batched generation needs)."""
+        return self._padding_side
+
+    @padding_side.setter
+    def padding_side(self, value: str) -> None:
+        if value not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {value!r}")
+        self._padding_side = value
+
+    def __call__(self, text: str | list[str], return_tensors: str | None = None,
+                 padding: bool | str = False, truncation: bool = False, max_length: int | None = None,
+                 add_special_tokens: bool = True) -> BatchEncoding:
+        """Tokenize one text or a batch into ``input_ids`` and ``attention_mask``.
+
+        ``padding``: False, True/"longest" or "max_length"; ``return_tensors``: None (lists) or "pt".
+        """
+        single = isinstance(text, str)
+        if not single and not (isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text)):
+            raise TypeError(f"text must be a string or a list of strings, got {type(text).__name__}")
+        if not single and not text:
+            raise ValueError("cannot tokenize an empty batch; pass at least one string")
+        if return_tensors not in (None, "pt"):
+            raise ValueError(f"return_tensors must be None or 'pt', got {return_tensors!r}")
+        if padding not in (False, True, None, "longest", "max_length", "do_not_pad"):
+            raise ValueError(f"padding must be False, True, 'longest' or 'max_length', got {padding!r}")
+        if max_length is None and self.model_max_length < _LARGE_INTEGER:
+            max_length = self.model_max_length
+        if padding is True or padding == "longest" or (padding == "max_length" and max_length is not None):
+            if self.pad_token_id is None:
+                raise ValueError("asked to pad but the tokenizer has no pad token; set one first, e.g. "
+                                 "`tokenizer.pad_token = tokenizer.eos_token`")
+        if truncation and max_length is not None:
+            self._tokenizer.enable_truncation(max_length, direction=self.truncation_side)
+        try:
+            encodings = self._tokenizer.encode_batch([text] if single else list(text),
+                                                     add_special_tokens=add_special_tokens)
+        finally:
+            self._tokenizer.no_truncation()
+        ids = [encoding.ids for encoding in encodings]
+        masks = [[1] * len(row) for row in ids]
+        target = None
+        if padding is True or padding == "longest":
+            target = max(map(len, ids), default=0)
+        elif padding == "max_length":
+            target = max_length
+        if target is not None:
+            pad_id = self.pad_token_id
+            for i, row in enumerate(ids):
+                extra = max(target - len(row), 0)
+                if self.padding_side == "left":
+                    ids[i], masks[i] = [pad_id] * extra + row, [0] * extra + masks[i]
+                else:
+                    ids[i], masks[i] = row + [pad_id] * extra, masks[i] + [0] * extra
+        if return_tensors == "pt":
+            lengths = sorted({len(row) for row in ids})
+            if len(lengths) > 1:
+                raise ValueError(f"cannot make a tensor from sequences of different lengths {lengths}; pass "
+                                 "padding=True (and set `tokenizer.pad_token = tokenizer.eos_token` if the "
+                                 "tokenizer has no pad token), or return_tensors=None for lists")
+            return BatchEncoding(input_ids=torch.tensor(ids, dtype=torch.long).reshape(len(ids), -1),
+                                 attention_mask=torch.tensor(masks, dtype=torch.long).reshape(len(ids), -1))
+        if single:
+            return BatchEncoding(input_ids=ids[0], attention_mask=masks[0])
+        return BatchEncoding(input_ids=ids, attention_mask=masks)
+
+    def encode(self, text: str, add_special_tokens: bool = True, return_tensors: str | None = None,
+               truncation: bool = False, max_length: int | None = None) -> list[int] | torch.Tensor:
+        """Token ids of one text: a list, or a ``[1, n]`` tensor with ``return_tensors="pt"``."""
+        return self(text, return_tensors=return_tensors, truncation=truncation, max_length=max_length,
+                    add_special_tokens=add_special_tokens)["input_ids"]
+
+    # -- decoding -----------------------------------------------------------------------------------
+    def decode(self, token_ids: int | list[int] | torch.Tensor, skip_special_tokens: bool = False) -> str | list[str]:
+        """Text of a sequence of ids (a list or 1-D tensor); a 2-D input decodes as a batch."""
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+        if isinstance(ids, int):
+            ids = [ids]
+        if ids and isinstance(ids[0], (list, tuple)):
+            return self.batch_decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, sequences: list[list[int]] | torch.Tensor, skip_special_tokens: bool = False) -> list[str]:
+        """Texts of a batch of sequences (a list of lists or a 2-D tensor)."""
+        rows = sequences.tolist() if isinstance(sequences, torch.Tensor) else sequences
+        return [self.decode(row, skip_special_tokens=skip_special_tokens) for row in rows]
+
+    # -- chat templates -----------------------------------------------------------------------------
+    def _select_chat_template(self, chat_template: str | None, tools: list | None) -> str:
+        templates = self.chat_template
+        if isinstance(templates, dict):
+            if chat_template in templates:
+                return templates[chat_template]
+            if chat_template is None:
+                name = "tool_use" if tools and "tool_use" in templates else "default"
+                if name not in templates:
+                    raise ValueError(f"this tokenizer has chat templates {sorted(templates)} and none is 'default'; "
+                                     "pass chat_template= with one of those names")
+                return templates[name]
+        template = chat_template or templates
+        if not template:
+            raise ValueError("this tokenizer has no chat template; pass chat_template= (a jinja template string) "
+                             "or set `tokenizer.chat_template`")
+        return template
+
+    def apply_chat_template(self, conversation: list[dict] | list[list[dict]], add_generation_prompt: bool = False,
+                            tokenize: bool = True, return_tensors: str | None = None, return_dict: bool = False,
+                            padding: bool | str = False, truncation: bool = False, max_length: int | None = None,
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            documents: list[dict] | None = None, **template_vars: Any):
+        """Render a conversation (or a batch of them) with the chat template, optionally tokenized.
+
+        Returns the text (``tokenize=False``), the ids, or a :class:`BatchEncoding` (``return_dict=True``).
+        Extra keyword arguments are passed to the template as variables.
+
+        Example:
+            >>> messages = [{"role": "user", "content": "Hi!"}]
+            >>> ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        """
+        template = _compile_chat_template(self._select_chat_template(chat_template, tools))
+        if not conversation:
+            raise ValueError("cannot apply a chat template to an empty conversation; pass at least one message")
+        batched = isinstance(conversation[0], (list, tuple))
+        variables = {**self.special_tokens_map, **template_vars}
+        rendered = [
+            template.render(messages=[{k: v for k, v in message.items() if v is not None} for message in chat],
+                            tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+                            **variables)
+            for chat in (conversation if batched else [conversation])
+        ]
+        text = rendered if batched else rendered[0]
+        if not tokenize:
+            return text
+        out = self(text, return_tensors=return_tensors, padding=padding, truncation=truncation,
+                   max_length=max_length, add_special_tokens=False)
+        return out if return_dict else out["input_ids"]
+
+    # -- saving -------------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | os.PathLike) -> tuple[str, str]:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json``; both kvgen and transformers load the folder."""
+        folder = Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens_map,
+                                  "padding_side": self.padding_side, "truncation_side": self.truncation_side,
+                                  "model_max_length": self.model_max_length, "clean_up_tokenization_spaces": False}
+        if self.additional_special_tokens:
+            config["additional_special_tokens"] = self.additional_special_tokens
+        if self._explicit_bos_eos:
+            config.update(add_bos_token=self.add_bos_token, add_eos_token=self.add_eos_token)
+        if isinstance(self.chat_template, dict):
+            config["chat_template"] = [{"name": k, "template": v} for k, v in self.chat_template.items()]
+        elif self.chat_template:
+            config["chat_template"] = self.chat_template
+        self._tokenizer.save(str(folder / "tokenizer.json"))
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        return str(folder / "tokenizer_config.json"), str(folder / "tokenizer.json")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name_or_path={self.name_or_path!r}, vocab_size={self.vocab_size}, "
+                f"padding_side={self.padding_side!r}, special_tokens={self.special_tokens_map})")
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """jinja's ``namespace()`` without underscore attributes, so templates cannot reach CPython internals."""
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
+        super().__setitem__(name, value)
+
+
+@lru_cache(maxsize=16)
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile a chat template in a sandbox with transformers' helpers (``tojson``, ``raise_exception``, ...)."""
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, namespace=_TemplateNamespace,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
+
+
+# -- loading ----------------------------------------------------------------------------------------
+def _token_text(value: Any) -> str | None:
+    """A special token as written in tokenizer_config.json: a string or an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _read_folder_config(folder: Path) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (folder / name).is_file():
+            config.update(json.loads((folder / name).read_text(encoding="utf-8")))
+    template = config.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    elif (folder / "chat_template.json").is_file():
+        template = json.loads((folder / "chat_template.json").read_text(encoding="utf-8"))["chat_template"]
+    if isinstance(template, list):
+        template = {entry["name"]: entry["template"] for entry in template}
+    extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
+    extra = extra.values() if isinstance(extra, dict) else extra
+    kwargs = {name: _token_text(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    kwargs.update(chat_template=template, additional_special_tokens=[_token_text(t) for t in extra])
+    # add_bos_token/add_eos_token are ignored here as in transformers: tokenizer.json's post-processor decides.
+    for key in ("padding_side", "truncation_side", "model_max_length"):
+        if config.get(key) is not None:
+            kwargs[key] = config[key]
+    return kwargs
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece vocabulary, best score first (transformers' generate_merges)."""
+    merges = []
+    for piece, score in scores.items():
+        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _gguf_backend(kind: str, architecture: str, pre: str | None, tokens: list[str], merges: list[str] | None,
+                  scores: list[float] | None, path: Path) -> Tokenizer:
+    if kind == "gpt2":
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+                 for i, t in enumerate(tokens)}
+        pairs = [tuple(m.split(" ", 1)) for m in merges or []]
+        backend = Tokenizer(models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="",
+                                       end_of_word_suffix="", fuse_unk=False))
+        split = _GGUF_SPLITS.get(pre)
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else (
+            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
+        backend.decoder = decoders.ByteLevel()
+        return backend
+    if kind == "llama" and architecture not in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
+        vocab = {t: i for i, t in enumerate(tokens)}
+        if merges is not None:
+            pairs = [tuple(m.split(" ", 1)) for m in merges]
+        elif scores is not None:
+            pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
+        else:
+            raise ValueError(f"{path}: the SentencePiece vocabulary has neither merges nor scores to rebuild them")
+        backend = Tokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True, dropout=None))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                             decoders.Strip(content=" ", left=1, right=0)])
+        return backend
+    raise ValueError(f"{path}: cannot build a tokenizer for tokenizer.ggml.model={kind!r} (architecture "
+                     f"{architecture!r}); supported are 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE, "
+                     f"not {sorted(_UNSUPPORTED_SENTENCEPIECE_ARCHS)}). Use a folder with tokenizer.json instead.")
+
+
+def _load_gguf(path: Path, **overrides: Any) -> PreTrainedTokenizerFast:
+    """Build the tokenizer embedded in a GGUF file's metadata (no tensor data is read)."""
+    import gguf
+
+    fields = gguf.GGUFReader(path).fields
+
+    def field(key: str, default: Any = None) -> Any:
+        return fields[key].contents() if key in fields else default
+
+    tokens = field("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ValueError(f"{path} has no embedded tokenizer (no tokenizer.ggml.tokens); load the tokenizer "
+                         "from a folder with tokenizer.json instead")
+    kind, types = field("tokenizer.ggml.model"), field("tokenizer.ggml.token_type", [])
+    backend = _gguf_backend(kind, field("general.architecture"), field("tokenizer.ggml.pre"), tokens,
+                            field("tokenizer.ggml.merges"), field("tokenizer.ggml.scores"), path)
+    # Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added tokens.
+    # In a byte-level vocabulary a "control" token outside the byte alphabet is a mislabel and is skipped.
+    alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                                if ty == 3 and (alphabet is None or set(t) <= alphabet)])
+    vocab = backend.get_vocab()
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                        if ty == 4 and t in vocab])
+    ids = {name: field(f"tokenizer.ggml.{key}") for name, key in (
+        ("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
+    kwargs: dict[str, Any] = {name: None if i is None else tokens[i] for name, i in ids.items()}
+    kwargs.update(chat_template=field("tokenizer.chat_template"), name_or_path=str(path),
+                  add_bos_token=field("tokenizer.ggml.add_bos_token", True if kind == "llama" else None),
+                  add_eos_token=field("tokenizer.ggml.add_eos_token"))
+    return PreTrainedTokenizerFast(backend, **{**kwargs, **overrides})
+
+
+class AutoTokenizer:
+    """Entry point mirroring ``transformers.AutoTokenizer``.
+
+    Example:
+        >>> tok = AutoTokenizer.from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")
+        >>> tok = AutoTokenizer.from_pretrained("models/", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+        >>> tok.decode(tok("Hello world").input_ids)
+        'Hello world'
+    """
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, gguf_file: str | None = None,
+                        revision: str = "main", **kwargs: Any) -> PreTrainedTokenizerFast:
+        """Load from a folder, a hub id, a folder plus ``gguf_file``, or a ``.gguf`` path.
+
+        Keyword arguments such as ``padding_side="left"`` override the saved configuration.
+        """
+        overrides = {k: v for k, v in kwargs.items() if k not in _IGNORED_LOAD_KWARGS}
+        path = Path(pretrained_model_name_or_path).expanduser()
+        if gguf_file is None and path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+            return _load_gguf(path, **overrides)
+        folder = resolve_model_dir(pretrained_model_name_or_path, revision=revision)
+        if gguf_file is not None:
+            if not (folder / gguf_file).is_file():
+                raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {str(folder)!r}; found "
+                                        f"{sorted(p.name for p in folder.glob('*.gguf')) or 'no .gguf files'}")
+            return _load_gguf(folder / gguf_file, **overrides)
+        if not (folder / "tokenizer.json").is_file():
+            ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+            hint = f"; to use an embedded GGUF vocabulary pass gguf_file= one of {ggufs}" if ggufs else ""
+            raise FileNotFoundError(f"no tokenizer.json in {str(folder)!r}{hint}")
+        return PreTrainedTokenizerFast(tokenizer_file=folder / "tokenizer.json", name_or_path=str(folder),
+                                       **{**_read_folder_config(folder), **overrides})
