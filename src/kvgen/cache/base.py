@@ -97,6 +97,9 @@ class Cache:
     def __init__(self, layers: list[CacheLayer] | None = None, layer_factory=None):
         self.layers: list[CacheLayer] = list(layers or [])
         self._layer_factory = layer_factory
+        #: (B, n) ids of the first n cached positions when known, so a reused cache can be checked
+        #: against a new prompt (``None``: unknown, e.g. filled from embeddings or a legacy tuple)
+        self.token_ids: torch.Tensor | None = None
 
     # -- the model-facing interface ------------------------------------------------------------------
     def layer(self, layer_idx: int) -> CacheLayer:
@@ -136,6 +139,27 @@ class Cache:
                 seen.add(group)
                 self.layer(i).check_cache_position(cache_position)
 
+    def record_token_ids(self, input_ids: torch.Tensor | None, cache_position: torch.Tensor) -> None:
+        """Remember which token ids were written at ``cache_position`` (called by models, outside compile)."""
+        start = int(cache_position[0])
+        known = self.token_ids
+        if (input_ids is None or (known is None and start > 0) or
+                (known is not None and (known.shape[0] != input_ids.shape[0] or start > known.shape[1]))):
+            self.token_ids = None
+            return
+        prefix = known[:, :start] if known is not None else input_ids[:, :0]
+        self.token_ids = torch.cat([prefix, input_ids.to(prefix.device)], dim=1)
+
+    def common_prefix_length(self, input_ids: torch.Tensor) -> int:
+        """How many leading cached positions hold exactly ``input_ids``' tokens (all of them when unknown)."""
+        seen = self.get_seq_length()
+        known = self.token_ids
+        if known is None or known.shape[0] != input_ids.shape[0] or known.shape[1] < seen:
+            return seen
+        n = min(seen, input_ids.shape[1])
+        same = (known[:, :n] == input_ids[:, :n].to(known.device)).all(dim=0)  # (n,)
+        return int(same.long().cumprod(0).sum())
+
     # -- sizes -------------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Length of the sequence seen so far (the next token's ``cache_position``)."""
@@ -167,6 +191,7 @@ class Cache:
     def reset(self) -> None:
         for layer in self.layers:
             layer.reset()
+        self.token_ids = None
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` positions (negative: drop that many from the end)."""
@@ -174,6 +199,8 @@ class Cache:
             max_length = self.get_seq_length() + max_length
         for layer in self.layers:
             layer.crop(max(max_length, 0))
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids[:, :max(max_length, 0)]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch rows (beam search); every layer and every part of it follows."""
@@ -182,10 +209,14 @@ class Cache:
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for layer in self.layers:
             layer.batch_select_indices(indices)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.index_select(0, indices.to(self.token_ids.device))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         for layer in self.layers:
             layer.batch_repeat_interleave(repeats)
+        if self.token_ids is not None:
+            self.token_ids = self.token_ids.repeat_interleave(repeats, dim=0)
 
     # -- legacy views ------------------------------------------------------------------------------
     def to_legacy_cache(self) -> LegacyCache:

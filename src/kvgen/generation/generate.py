@@ -103,6 +103,11 @@ class GenerationMixin:
             cache = None
 
         seen = 0 if cache is None else cache.get_seq_length()
+        if seen and cache.common_prefix_length(input_ids) < seen:
+            # The cache holds tokens that differ from this prompt's (e.g. a prefix that tokenized
+            # differently on its own): keep only the common prefix, so nothing stale is attended to.
+            seen = cache.common_prefix_length(input_ids)
+            cache.crop(seen)
         if seen > prompt_length:
             raise ValueError(
                 f"the cache holds {seen} tokens but input_ids has only {prompt_length}: pass the whole "
@@ -160,6 +165,8 @@ class GenerationMixin:
             logits = step(input_ids, attention_mask, position_ids)
         if streamer is not None:
             streamer.end()
+        if cache is not None:  # the compiled path does not record: set the ids of every position fed
+            cache.token_ids = input_ids[:, : cache.get_seq_length()]
 
         if not config.return_dict_in_generate:
             return input_ids

@@ -162,12 +162,13 @@ class PreTrainedModel(nn.Module, GenerationMixin):
 
 # -- decoder inputs (the seeds' forward contract) -------------------------------------------------------
 
-def prepare_decoder_inputs(config, batch: int, length: int, device, past_key_values, use_cache: bool | None,
-                           cache_position: torch.Tensor | None, position_ids: torch.Tensor | None,
-                           attention_mask: torch.Tensor | None):
+def prepare_decoder_inputs(config, input_ids: torch.Tensor | None, batch: int, length: int, device, past_key_values,
+                           use_cache: bool | None, cache_position: torch.Tensor | None,
+                           position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None):
     """Resolve the cache and the positions of ``length`` new tokens.
 
-    Returns ``(cache, return_legacy, cache_position, position_ids)``. A legacy tuple cache
+    Returns ``(cache, return_legacy, cache_position, position_ids)``. The cache records
+    ``input_ids`` (``None`` for embeddings) at their positions. A legacy tuple cache
     is converted and will be returned as a tuple; ``use_cache=False`` gives no cache.
     ``cache_position`` defaults to the positions after what the cache holds and is checked
     against it; ``position_ids`` default to ``cache_position`` (as in transformers).
@@ -194,6 +195,7 @@ def prepare_decoder_inputs(config, batch: int, length: int, device, past_key_val
             )
     if cache is not None and not compiling:
         cache.check_cache_position(cache_position)
+        cache.record_token_ids(input_ids, cache_position)
     if attention_mask is not None and not compiling:
         check_padding_mask(attention_mask, int(cache_position[-1]) + 1)
         if attention_mask.shape[0] != batch:

