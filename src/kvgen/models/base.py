@@ -5,6 +5,7 @@ and the decoder-input preparation (cache, ``cache_position``, ``position_ids``) 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from kvgen.generation.config import GenerationConfig
 from kvgen.generation.generate import GenerationMixin
 from kvgen.loading.hub import resolve_model_dir
 from kvgen.masks import attention_mask as build_mask, check_padding_mask
+from kvgen.models.linear import Linear
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -151,7 +153,19 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         model.tie_weights()
         model.init_buffers(device)
         model.requires_grad_(False)
+        model.pack_weights()
         return model.eval()
+
+    def pack_weights(self) -> None:
+        """Pre-pack linear weights for fast streaming on float32 CPU (see ``kvgen.models.linear``).
+
+        A weight shared with another module (tied embeddings) keeps its dense copy too.
+        """
+        owners = Counter(id(p) for module in self.modules() for p in module.parameters(recurse=False))
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.keep_dense = owners[id(module.weight)] > 1
+                module.pack()
 
     def tie_weights(self) -> None:
         """Share input and output embeddings when the config says so (subclasses with heads override)."""

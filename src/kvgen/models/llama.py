@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
+from kvgen.models.linear import Linear
 from kvgen.outputs import CausalLMOutputWithPast
 from kvgen.rope import RotaryEmbedding, apply_rotary
 
@@ -46,9 +47,9 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.sizes = (q_size, kv_size, kv_size)
         bias = config.get("attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
         o_bias = bias and config.model_type != "qwen2"  # qwen2 has biases on q/k/v only
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         if config.model_type == "qwen3":
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -78,9 +79,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                       bias=config.get("mlp_bias", False))
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.get("mlp_bias", False))
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.get("mlp_bias", False))
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
@@ -125,7 +126,7 @@ class LlamaForCausalLM(PreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self):
