@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -37,17 +36,23 @@ def other_cpu_use(seconds: float = 0.5) -> float:
     return busy * (os.cpu_count() or 1)
 
 
-def copy_bandwidth(threads: int, megabytes: int = 256) -> float:
-    """Bytes per second moved (read + written) by a large tensor copy, best of 5."""
+def memory_bandwidth(threads: int, megabytes: int = 256) -> dict[str, float]:
+    """Bytes per second of a large tensor copy (bytes copied; read + written) and of a sum (read), best of 5."""
     torch.set_num_threads(threads)
     src = torch.ones(megabytes * 2**20 // 4)
     dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / best
+
+    def best(fn):
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    copy_s, sum_s = best(lambda: dst.copy_(src)), best(src.sum)
+    size = src.numel() * 4
+    return {"copy": size / copy_s, "copy_traffic": 2 * size / copy_s, "read": size / sum_s}
 
 
 def decode_bytes_per_step(config: dict, batch: int, context: float, dtype_bytes: int = 4) -> tuple[int, int]:
@@ -59,6 +64,25 @@ def decode_bytes_per_step(config: dict, batch: int, context: float, dtype_bytes:
     weights = (n * per_layer + h + config["vocab_size"] * h) * dtype_bytes  # + final norm + lm_head
     kv = 2 * n * kv_heads * head_dim * context * batch * dtype_bytes
     return weights, int(kv)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (``VmHWM``; ``ru_maxrss`` would carry the parent's over exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
+
+
+def cache_bytes(cache) -> int | None:
+    """Bytes of a kvgen cache (``nbytes()``) or of a transformers cache (its layers' tensors)."""
+    if cache is None:
+        return None
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)
 
 
 # -- the worker (one configuration, one process) ------------------------------------------------------
@@ -79,13 +103,16 @@ def _worker(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
     impl, cache_name = spec["impl"], spec["cache"]
     batch, prompt, new = spec["batch"], spec["prompt"], spec["new_tokens"]
-    ids = torch.randint(10, 40000, (batch, prompt), generator=torch.Generator().manual_seed(0))
+    vocab = json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"]  # small test models too
+    ids = torch.randint(10, min(40000, vocab), (batch, prompt), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     if impl == "kvgen":
         import kvgen
         from kvgen.cache import create_cache
 
+        start = time.perf_counter()
         model = kvgen.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+        load_s = time.perf_counter() - start
 
         def make_cache(max_len):
             return create_cache(cache_name, config=model.config, batch_size=batch, max_cache_len=max_len,
@@ -94,13 +121,21 @@ def _worker(spec: dict) -> dict:
     else:
         import transformers
 
+        start = time.perf_counter()
         model = transformers.AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
-        extra = {"cache_implementation": cache_name} if cache_name != "dynamic" else {}
-        if cache_name == "static":  # transformers compiles on CPU only behind this private flag
+        load_s = time.perf_counter() - start
+        extra, make_cache = {}, None
+        if cache_name == "static":
+            # transformers compiles on CPU only behind this private flag; its cache is built with
+            # the measured run's size for the warm-up too, so the warm-up compiles the same graph
             compile_config = transformers.CompileConfig()
             compile_config._compile_all_devices = True
             extra["compile_config"] = compile_config
-        make_cache = None
+
+            def make_cache(max_len):
+                return transformers.StaticCache(config=model.config, max_cache_len=max_len)
+        elif cache_name != "dynamic":
+            extra["cache_implementation"] = cache_name
 
     def run(p, n):
         clock = _Clock()
@@ -108,18 +143,20 @@ def _worker(spec: dict) -> dict:
         if make_cache is not None:
             kwargs["past_key_values"] = make_cache(prompt + new)
         with torch.no_grad():
-            model.generate(ids[:, :p], attention_mask=mask[:, :p], max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, streamer=clock, pad_token_id=0, **kwargs)
-        return clock, kwargs.get("past_key_values")
+            out = model.generate(ids[:, :p], attention_mask=mask[:, :p], max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, streamer=clock, pad_token_id=0, return_dict_in_generate=True,
+                                 **kwargs)
+        return clock, out.past_key_values
 
     run(8, 4)  # warm-up: compiles the static decode step for these shapes
     clock, cache = run(prompt, new)
     decode_seconds = clock.stamps[-1] - clock.stamps[1]
     return {
+        "load_s": load_s,
         "prefill_s": clock.stamps[1] - clock.start,
         "decode_tok_s": batch * (len(clock.stamps) - 2) / decode_seconds,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "cache_bytes": None if cache is None else cache.nbytes(),
+        "peak_rss_mb": peak_rss_mb(),
+        "cache_bytes": cache_bytes(cache),
     }
 
 
@@ -137,8 +174,11 @@ def run_bench(args) -> int:
 
     model_dir = args.model or str(default_model_dir())
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    bandwidth = copy_bandwidth(args.threads)
-    print(f"copy bandwidth: {bandwidth / 1e9:.2f} GB/s (read + write, {args.threads} threads)")
+    bandwidths = memory_bandwidth(args.threads)
+    bandwidth = bandwidths["copy"]
+    print(f"memory bandwidth ({args.threads} threads): copy {bandwidths['copy'] / 1e9:.2f} GB/s copied "
+          f"({bandwidths['copy_traffic'] / 1e9:.2f} GB/s read + written), sum {bandwidths['read'] / 1e9:.2f} GB/s read; "
+          "roofline = copy bandwidth / bytes read per decode step")
     rows = []
     header = (f"{'impl':12s} {'cache':8s} {'prompt':>6s} {'batch':>5s} {'prefill_s':>9s} {'decode_tok/s':>12s} "
               f"{'roofline':>8s} {'of_roof':>7s} {'rss_MB':>7s} {'cache_MB':>8s} {'busy':>5s}")
@@ -168,7 +208,7 @@ def run_bench(args) -> int:
     _print_ratios(rows)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"copy_bandwidth_bytes_s": bandwidth, "threads": args.threads,
+    output.write_text(json.dumps({"bandwidth_bytes_s": bandwidths, "threads": args.threads,
                                   "torch": torch.__version__, "rows": rows}, indent=1))
     print(f"wrote {output}")
     return 0

@@ -12,8 +12,6 @@ import argparse
 import sys
 import time
 
-import torch
-
 DEFAULT_PROMPT = "Once upon a time, there was a little"
 
 
@@ -94,35 +92,24 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def chat_turn(model, tokenizer, cache, messages: list[dict], cached_ids: torch.Tensor | None, max_new_tokens: int,
-              streamer=None) -> tuple[str, torch.Tensor]:
-    """One assistant turn on a cache kept across turns.
+def chat_turn(model, tokenizer, cache, messages: list[dict], max_new_tokens: int, streamer=None) -> str:
+    """One assistant turn on a cache kept across turns; returns the reply.
 
-    The conversation is rendered again with the chat template; when its tokens differ from
-    those the cache holds (a template may re-encode an earlier reply differently), the
-    cache is cropped to the common prefix, so no stale entry is ever attended to.
-    Returns the reply and the ids that the cache now holds.
+    The conversation is rendered again with the chat template and ``generate()`` feeds only
+    what the cache has not seen; where the template re-encodes an earlier reply differently,
+    ``generate()`` first crops the cache to the tokens it shares with the new rendering.
     """
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True).to(model.device)
-    ids = inputs["input_ids"]
-    if cached_ids is not None:
-        n = min(cached_ids.shape[1], ids.shape[1], cache.get_seq_length())
-        same = (cached_ids[0, :n] == ids[0, :n]).long()
-        common = int(same.cumprod(0).sum())
-        if common < cache.get_seq_length():
-            cache.crop(common)
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
                          streamer=streamer)
-    reply = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-    return reply, out[:, : cache.get_seq_length()]
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def cmd_chat(args) -> int:
     model, tokenizer = load(args.model, args.dtype)
     cache = _make_cache(model, args.cache, None, args.max_cache_len)
     messages: list[dict] = []
-    cached_ids = None
     print("kvgen chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
@@ -133,7 +120,7 @@ def cmd_chat(args) -> int:
             break
         messages.append({"role": "user", "content": line})
         clock = _Clock(tokenizer)
-        reply, cached_ids = chat_turn(model, tokenizer, cache, messages, cached_ids, args.max_new_tokens, clock)
+        reply = chat_turn(model, tokenizer, cache, messages, args.max_new_tokens, clock)
         messages.append({"role": "assistant", "content": reply})
         print(f"[kvgen] cache_tokens={cache.get_seq_length()} cache_bytes={cache.nbytes()} "
               f"decode_tok_per_s={clock.decode_tokens_per_second():.2f}", file=sys.stderr)

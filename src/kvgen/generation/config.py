@@ -1,4 +1,4 @@
-"""``GenerationConfig``: the knobs of ``generate()``, with transformers' defaults."""
+"""``GenerationConfig``: the knobs of ``generate()``, with transformers' defaults and precedence."""
 
 from __future__ import annotations
 
@@ -9,9 +9,23 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
+#: transformers' global defaults, for settings left unset by the call, a passed config and the model's config.
+#: ``max_length`` has none here: unset, ``generate()`` makes 20 new tokens (as transformers does).
+DEFAULTS: dict[str, Any] = {
+    "min_length": 0, "do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.0,
+    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "length_penalty": 1.0, "early_stopping": False,
+    "num_return_sequences": 1, "use_cache": True, "return_dict_in_generate": False, "output_scores": False,
+    "output_logits": False, "return_legacy_cache": False, "disable_compile": False,
+}
+DEFAULT_MAX_NEW_TOKENS = 20
+
+
 @dataclass
 class GenerationConfig:
     """Settings for ``generate()``; keyword arguments of ``generate()`` override them.
+
+    As in transformers, a setting left ``None`` is taken from ``model.generation_config``
+    (which ``generation_config.json`` sets), then from ``DEFAULTS``.
 
     Example:
         >>> cfg = GenerationConfig(max_new_tokens=20, do_sample=True, top_p=0.9)
@@ -19,29 +33,30 @@ class GenerationConfig:
         {'attention_mask': None}
     """
 
-    max_length: int = 20
+    # ``None`` means unset: ``generate()`` takes it from ``model.generation_config``, then from ``DEFAULTS``.
+    max_length: int | None = None
     max_new_tokens: int | None = None
-    min_length: int = 0
+    min_length: int | None = None
     min_new_tokens: int | None = None
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    num_beams: int = 1
-    num_beam_groups: int = 1
-    diversity_penalty: float = 0.0
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_return_sequences: int = 1
-    use_cache: bool = True
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    num_beams: int | None = None
+    num_beam_groups: int | None = None
+    diversity_penalty: float | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
+    num_return_sequences: int | None = None
+    use_cache: bool | None = None
     cache_implementation: str | None = None
     cache_config: Any = None
-    return_dict_in_generate: bool = False
-    output_scores: bool = False
-    output_logits: bool = False
-    return_legacy_cache: bool = False
-    disable_compile: bool = False
+    return_dict_in_generate: bool | None = None
+    output_scores: bool | None = None
+    output_logits: bool | None = None
+    return_legacy_cache: bool | None = None
+    disable_compile: bool | None = None
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -78,19 +93,32 @@ class GenerationConfig:
     def copy(self) -> "GenerationConfig":
         return copy.deepcopy(self)
 
+    def fill_unset(self, source: "GenerationConfig | None" = None) -> "GenerationConfig":
+        """Set the settings that are still ``None`` from ``source``, or from ``DEFAULTS`` without one; return self."""
+        for f in fields(self):
+            if f.name != "extra" and getattr(self, f.name) is None:
+                value = DEFAULTS.get(f.name) if source is None else getattr(source, f.name)
+                setattr(self, f.name, copy.deepcopy(value))
+        return self
+
     def eos_ids(self) -> list[int]:
         eos = self.eos_token_id
         return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
 
     def validate(self) -> None:
+        c = self.copy().fill_unset()  # settings still None are off
+        sampling = bool(c.do_sample)  # like transformers, greedy decoding ignores the sampling settings
         checks = [
-            (self.max_new_tokens is None or self.max_new_tokens >= 0, "max_new_tokens must be >= 0"),
-            (self.temperature > 0, "temperature must be > 0 (use do_sample=False for greedy decoding)"),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k is None or self.top_k >= 0, "top_k must be >= 0"),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
-            (self.num_return_sequences >= 1, "num_return_sequences must be >= 1"),
-            (self.do_sample or self.num_beams > 1 or self.num_return_sequences == 1,
+            (c.max_new_tokens is None or c.max_new_tokens > 0, f"max_new_tokens must be > 0, got {c.max_new_tokens}"),
+            (not sampling or c.temperature is None or c.temperature > 0,
+             f"temperature must be > 0 with do_sample=True, got {c.temperature} "
+             "(use do_sample=False for greedy decoding)"),
+            (not sampling or c.top_p is None or 0 < c.top_p <= 1, f"top_p must be in (0, 1], got {c.top_p}"),
+            (c.top_k is None or c.top_k >= 0, f"top_k must be >= 0, got {c.top_k}"),
+            (c.repetition_penalty is None or c.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {c.repetition_penalty}"),
+            ((c.num_return_sequences or 1) >= 1, "num_return_sequences must be >= 1"),
+            (sampling or (c.num_beams or 1) > 1 or (c.num_return_sequences or 1) == 1,
              "num_return_sequences > 1 needs do_sample=True (greedy decoding gives identical sequences)"),
         ]
         for ok, message in checks:

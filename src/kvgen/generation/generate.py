@@ -15,7 +15,7 @@ import torch
 from kvgen.cache.base import Cache
 from kvgen.cache.dynamic import DynamicCache
 from kvgen.cache.registry import create_cache
-from kvgen.generation.config import GenerationConfig
+from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import build_processors
 from kvgen.generation.search import choose_next_tokens
 from kvgen.outputs import GenerateDecoderOnlyOutput
@@ -45,7 +45,8 @@ class GenerationMixin:
         Returns the sequences (B, L + new), or a ``GenerateDecoderOnlyOutput`` with
         ``return_dict_in_generate=True``.
         """
-        config = (generation_config or self.generation_config).copy()
+        # precedence as in transformers: keyword arguments > a passed config > model.generation_config > defaults
+        config = (generation_config or self.generation_config).copy().fill_unset(self.generation_config).fill_unset()
         model_inputs = config.update(**kwargs)
         input_ids = inputs if inputs is not None else model_inputs.pop("input_ids", None)
         attention_mask = model_inputs.pop("attention_mask", None)
@@ -91,8 +92,19 @@ class GenerationMixin:
                 cache.batch_repeat_interleave(n)
 
         batch, prompt_length = input_ids.shape
-        max_length = (prompt_length + config.max_new_tokens if config.max_new_tokens is not None
-                      else config.max_length)
+        if config.max_new_tokens is not None:
+            max_length = prompt_length + config.max_new_tokens
+        elif config.max_length is not None:
+            max_length = config.max_length
+        else:  # neither set anywhere: transformers makes 20 new tokens, within the model's positions
+            max_length = prompt_length + DEFAULT_MAX_NEW_TOKENS
+            if self.config.get("max_position_embeddings"):
+                max_length = min(max_length, self.config.get("max_position_embeddings"))
+        if prompt_length >= max_length:
+            raise ValueError(
+                f"input_ids has {prompt_length} tokens but max_length is {max_length}, so there is no room for a new "
+                "token; set max_new_tokens (the number of tokens to generate) instead"
+            )
         if cache is None and config.use_cache:
             cache = create_cache(config.cache_implementation or "dynamic", config=self.config, batch_size=batch,
                                  max_cache_len=max_length, device=device, dtype=self.dtype,

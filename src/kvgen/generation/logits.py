@@ -58,18 +58,19 @@ def top_p(p: float, min_tokens_to_keep: int = 1) -> Processor:
 def build_processors(config, prompt_length: int) -> list[Processor]:
     """The processors ``config`` asks for, in the order transformers applies them."""
     processors: list[Processor] = []
-    if config.repetition_penalty != 1.0:
+    # a setting that is None is off (as in transformers)
+    if config.repetition_penalty not in (None, 1.0):
         processors.append(repetition_penalty(config.repetition_penalty))
     eos = config.eos_ids()
-    if eos and config.min_length > 0:
+    if eos and config.min_length:
         processors.append(suppress_eos_until(eos, config.min_length))
     if eos and config.min_new_tokens:
         processors.append(suppress_eos_until(eos, prompt_length + config.min_new_tokens))
     if config.do_sample:
-        if config.temperature != 1.0:
+        if config.temperature not in (None, 1.0):
             processors.append(temperature(config.temperature))
         if config.top_k:
             processors.append(top_k(config.top_k))
-        if config.top_p < 1.0:
+        if config.top_p is not None and config.top_p < 1.0:
             processors.append(top_p(config.top_p))
     return processors

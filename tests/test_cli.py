@@ -1,0 +1,157 @@
+"""The ``kvgen`` command run in-process (``kvgen.cli.main``) on the real default model, and ``bench`` on a tiny one.
+
+Expected texts are computed here with ``generate`` on fresh inputs (no cache reuse), so a
+CLI that reuses or sizes its cache wrongly, or prints the wrong tokens, fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import transformers
+
+import kvgen.cli
+from kvgen.cli import DEFAULT_PROMPT, main
+
+STATS = re.compile(r"^\[kvgen\] cache=(\w+) prompt_tokens=(\d+) new_tokens=(\d+) prefill_s=(\d+\.\d+) "
+                   r"decode_tok_per_s=(\d+\.\d+) cache_bytes=(\d+)$")
+
+
+def continuation(model, tokenizer, inputs, max_new_tokens):
+    """(reply text, number of new tokens) of a fresh greedy run."""
+    out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    new = out[0, inputs["input_ids"].shape[1]:]
+    return tokenizer.decode(new, skip_special_tokens=True), new.shape[0]
+
+
+def chat_inputs(tokenizer, messages):
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+
+
+def parse_stats(line):
+    match = STATS.match(line)
+    assert match, f"not a stats line: {line!r}"
+    cache, prompt_tokens, new_tokens, prefill_s, decode, cache_bytes = match.groups()
+    assert float(prefill_s) > 0 and float(decode) > 0
+    return cache, int(prompt_tokens), int(new_tokens), int(cache_bytes)
+
+
+def test_generate_with_the_default_prompt(smollm, capsys):
+    model, tokenizer = smollm
+    assert main(["generate", "--max-new-tokens", "6"]) == 0
+    text, stats = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    inputs = tokenizer(DEFAULT_PROMPT, return_tensors="pt")
+    expected, new = continuation(model, tokenizer, inputs, 6)
+    assert text == expected
+    cache, prompt_tokens, new_tokens, cache_bytes = parse_stats(stats)
+    assert (cache, prompt_tokens, new_tokens) == ("DynamicCache", inputs["input_ids"].shape[1], new)
+    config = model.config
+    live = config.num_hidden_layers * 2 * config.num_key_value_heads * (prompt_tokens + 5) * config.head_dim * 4
+    assert cache_bytes >= live  # at least the keys and values of every token fed
+
+
+def test_generate_static_chat_stream(smollm, capsys, monkeypatch):
+    model, tokenizer = smollm
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")
+    question = "What is the capital of France?"
+    argv = ["generate", question, "--cache", "static", "--chat", "--stream", "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    text, stats = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    inputs = chat_inputs(tokenizer, [{"role": "user", "content": question}])
+    expected, new = continuation(model, tokenizer, inputs, 8)
+    assert text == expected and "Paris" in text
+    cache, prompt_tokens, new_tokens, cache_bytes = parse_stats(stats)
+    assert (cache, prompt_tokens, new_tokens) == ("StaticCache", inputs["input_ids"].shape[1], new)
+    config = model.config  # preallocated: every layer's keys and values for prompt + max_new_tokens slots
+    slots = prompt_tokens + 8
+    assert cache_bytes == config.num_hidden_layers * 2 * config.num_key_value_heads * slots * config.head_dim * 4
+
+
+def test_generate_stream_prints_as_it_goes(smollm, capsys, monkeypatch):
+    model, tokenizer = smollm
+    pieces = []
+    real = kvgen.cli._text_streamer
+
+    def recording(tok):
+        streamer = real(tok)
+        original = streamer.on_finalized_text
+        streamer.on_finalized_text = lambda text, stream_end=False: (pieces.append(text), original(text, stream_end))
+        return streamer
+
+    monkeypatch.setattr(kvgen.cli, "_text_streamer", recording)
+    assert main(["generate", "--stream", "--max-new-tokens", "10"]) == 0
+    text = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0]
+    expected, _ = continuation(model, tokenizer, tokenizer(DEFAULT_PROMPT, return_tensors="pt"), 10)
+    assert text == expected
+    assert len([p for p in pieces if p]) > 2  # printed word by word, not once at the end
+
+
+def test_chat_reuses_the_cache_across_turns(smollm, capsys, monkeypatch):
+    model, tokenizer = smollm
+    turns = iter(["What is the capital of France?", "And of Italy?"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(turns)
+        except StopIteration:
+            raise EOFError from None
+
+    fed = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append((args[0] if args else kwargs["input_ids"]).shape[1]),
+        with_kwargs=True)
+    monkeypatch.setattr("builtins.input", fake_input)
+    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    try:
+        assert main(["chat", "--max-new-tokens", "12"]) == 0
+    finally:
+        hook.remove()
+    captured = capsys.readouterr()
+
+    # the expected answers, each from a fresh run of the whole conversation so far
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    first_inputs = chat_inputs(tokenizer, messages)
+    first, first_new = continuation(model, tokenizer, first_inputs, 12)
+    messages += [{"role": "assistant", "content": first}, {"role": "user", "content": "And of Italy?"}]
+    second_inputs = chat_inputs(tokenizer, messages)
+    second, second_new = continuation(model, tokenizer, second_inputs, 12)
+    assert captured.out == f"{first}\n{second}\n"
+    assert "Paris" in first and "Rome" in second
+
+    lengths = [int(n) for n in re.findall(r"\[kvgen\] cache_tokens=(\d+) cache_bytes=\d+", captured.err)]
+    p1, p2 = first_inputs["input_ids"].shape[1], second_inputs["input_ids"].shape[1]
+    assert lengths == [p1 + first_new - 1, p2 + second_new - 1]  # the last token of each reply is not fed
+    prefills = [n for n in fed if n > 1]
+    assert prefills[0] == p1
+    assert prefills[1] <= p2 - p1  # the second turn fed only what the cache had not seen
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    folder = tmp_path_factory.mktemp("tiny-bench")
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_bench_writes_rows_for_kvgen_and_transformers(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")  # the workers inherit it: kvgen's static step runs eagerly
+    output = tmp_path / "bench.json"
+    argv = ["bench", "--model", str(tiny_checkpoint), "--prompts", "16", "--batches", "1", "--new-tokens", "4",
+            "--caches", "dynamic,static", "--output", str(output)]
+    assert main(argv) == 0
+    assert f"wrote {output}" in capsys.readouterr().out
+    rows = json.loads(output.read_text())["rows"]
+    assert sorted((r["impl"], r["cache"]) for r in rows) == [
+        ("kvgen", "dynamic"), ("kvgen", "static"), ("transformers", "dynamic"), ("transformers", "static")]
+    for row in rows:
+        assert "error" not in row, row
+        assert (row["prompt"], row["batch"], row["new_tokens"]) == (16, 1, 4)
+        assert row["decode_tok_s"] > 0 and row["prefill_s"] > 0
+    static = next(r for r in rows if r["impl"] == "kvgen" and r["cache"] == "static")
+    assert static["cache_bytes"] == 2 * 2 * 2 * (16 + 4) * 16 * 4  # layers, k+v, kv heads, slots, head_dim, fp32
