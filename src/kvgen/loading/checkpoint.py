@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -28,13 +27,51 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path} is not valid JSON ({e}); re-export or re-download it.") from None
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
 def _load_file(path: Path) -> dict[str, torch.Tensor]:
+    """Read every tensor of one safetensors file into its own memory (no shared mmap).
+
+    Tensors backed by one mmap of the file keep all its touched pages resident while any
+    of them lives; separate buffers are freed one by one (e.g. as weights get repacked).
+    """
     if not path.is_file():
         raise FileNotFoundError(f"safetensors file not found: {path}")
-    try:
-        return load_file(path)
-    except SafetensorError as e:
-        raise ValueError(f"{path} is corrupt or truncated ({e}); re-download or re-export it.") from None
+    size = path.stat().st_size
+
+    def corrupt(why: str) -> ValueError:
+        return ValueError(f"{path} is corrupt or truncated ({why}); re-download or re-export it.")
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise corrupt("shorter than its 8-byte header length")
+        header_len = int.from_bytes(head, "little")
+        if header_len > size - 8:
+            raise corrupt(f"header length {header_len} exceeds the file")
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise corrupt(f"header is not JSON: {e}") from None
+        header.pop("__metadata__", None)
+        state = {}
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            try:
+                dtype, shape, (start, end) = _DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise corrupt(f"bad header entry for tensor {name!r}: {info}") from None
+            tensor = torch.empty(shape, dtype=dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if end - start != nbytes or 8 + header_len + end > size:
+                raise corrupt(f"tensor {name!r} needs {nbytes} bytes at {start}..{end}, file has {size}")
+            f.seek(8 + header_len + start)
+            if nbytes and f.readinto(memoryview(tensor.view(-1).view(torch.uint8).numpy())) != nbytes:
+                raise corrupt(f"tensor {name!r} ends past the end of the file")
+            state[name] = tensor
+    return state
 
 
 def _shard_files(folder: Path) -> list[Path]:

@@ -4,6 +4,7 @@ and the decoder-input preparation (cache, ``cache_position``, ``position_ids``) 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 from pathlib import Path
@@ -54,6 +55,23 @@ def parse_device_map(device_map) -> torch.device:
     return torch.device(device_map)
 
 
+@contextlib.contextmanager
+def skip_weight_init():
+    """Build modules without random initialisation (their weights are about to be replaced).
+
+    Cheaper than building on the meta device, whose first use imports much of torch.
+    """
+    names = ("kaiming_uniform_", "uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "zeros_", "ones_")
+    saved = {name: getattr(nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 class PreTrainedModel(nn.Module, GenerationMixin):
     """Base of every kvgen model: ``from_pretrained``, ``device``, ``dtype``, ``generate``.
 
@@ -78,6 +96,7 @@ class PreTrainedModel(nn.Module, GenerationMixin):
 
     @classmethod
     def convert_checkpoint(cls, state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+        """Checkpoint names -> module names; may consume ``state_dict`` to free memory early."""
         return state_dict
 
     # -- loading -----------------------------------------------------------------------------------
@@ -123,7 +142,7 @@ class PreTrainedModel(nn.Module, GenerationMixin):
 
     @classmethod
     def _from_state_dict(cls, config, state_dict, dtype, device) -> "PreTrainedModel":
-        with torch.device("meta"):
+        with skip_weight_init():
             model = cls(config)
         state_dict = cls.convert_checkpoint(state_dict, config)
         seen_ids: set[int] = set()
@@ -150,6 +169,7 @@ class PreTrainedModel(nn.Module, GenerationMixin):
                 )
         model.load_state_dict({k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
                                for k, v in state_dict.items()}, assign=True, strict=False)
+        state_dict.clear()  # the model holds the only references now, so packing frees each dense weight
         model.tie_weights()
         model.init_buffers(device)
         model.requires_grad_(False)

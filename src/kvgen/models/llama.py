@@ -138,12 +138,14 @@ class LlamaForCausalLM(PreTrainedModel):
 
     @classmethod
     def convert_checkpoint(cls, state_dict, config):
-        """Fuse q/k/v and gate/up tensors of separate-projection checkpoints; drop tied/unused tensors."""
+        """Fuse q/k/v and gate/up tensors of separate-projection checkpoints; drop tied/unused tensors.
+
+        Consumes ``state_dict`` so that each original tensor is freed once it has been fused.
+        """
         out = {}
-        for name, tensor in state_dict.items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if config.tie_word_embeddings and name == "lm_head.weight":
+        for name in list(state_dict):
+            tensor = state_dict.pop(name)
+            if name.endswith("rotary_emb.inv_freq") or (config.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             out[name] = tensor
         for i in range(config.num_hidden_layers):
