@@ -134,14 +134,16 @@ def test_old_rope_config_format_loads_the_same(tmp_path_factory):
         torch.testing.assert_close(old_form(ids).logits, hf(ids).logits, atol=ATOL, rtol=0)
 
 
-def test_static_generate_compiled_equals_transformers(tmp_path_factory):
-    """The compiled static decode step gives the same ids (compiled once for all steps)."""
+@pytest.mark.parametrize("batch", [1, 3])
+def test_static_generate_compiled_equals_transformers(tmp_path_factory, batch):
+    """The compiled static decode step gives the same ids and compiles once for all steps."""
     hf, ours, _ = make_pair("llama-gqa", tmp_path_factory)
     ids, mask = left_padded_batch(seed=4, length=8)
+    ids, mask = ids[:batch], mask[:batch]
     kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
     ref = hf.generate(ids, **kwargs)
     torch._dynamo.reset()
-    got = ours.generate(ids, cache_implementation="static", **kwargs)
-    assert torch.equal(got, ref)
-    again = ours.generate(ids, cache_implementation="static", **kwargs)  # same shapes: no recompilation
-    assert torch.equal(again, ref)
+    with torch._dynamo.config.patch(error_on_recompile=True):  # one graph for every step and both calls
+        got = ours.generate(ids, cache_implementation="static", **kwargs)
+        again = ours.generate(ids, cache_implementation="static", **kwargs)
+    assert torch.equal(got, ref) and torch.equal(again, ref)

@@ -84,24 +84,26 @@ class RotaryEmbedding(nn.Module):
 
     @torch.no_grad()
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype = torch.float32):
-        """``position_ids`` (B, T) -> ``cos, sin`` (B, T, rotary_dim) in ``dtype``."""
+        """``position_ids`` (B, T) -> ``cos, sin`` (B, T, rotary_dim) in ``dtype``.
+
+        ``sin`` has its first half negated: the sign of ``rotate_half`` is folded in, so
+        :func:`apply_rotary` is ``x * cos + roll(x) * sin`` (the same arithmetic, fewer kernels).
+        """
         if self.rope_type == "dynamic":
             self._dynamic_update(position_ids)
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # (B, T, dim/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, dim)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-freqs, freqs), dim=-1).sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (B, H, T, D) by ``cos``/``sin`` (B, T, R), R <= D; channels past R pass through."""
+    """Rotate ``x`` (B, H, T, D) by :class:`RotaryEmbedding`'s ``cos``/``sin`` (B, T, R), R <= D.
+
+    Channels past R pass through (partial rotary). Equal, bit for bit, to transformers'
+    ``x * cos + rotate_half(x) * sin`` with an unsigned ``sin``.
+    """
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R)
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + x.roll(rotary_dim // 2, dims=-1) * sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat((x_rot * cos + x_rot.roll(rotary_dim // 2, dims=-1) * sin, x_pass), dim=-1)

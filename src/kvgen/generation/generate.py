@@ -27,6 +27,36 @@ def _positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return position_ids.masked_fill(attention_mask == 0, 1)
 
 
+def _reusable_prefix(cache: Cache, input_ids: torch.Tensor, max_length: int) -> int:
+    """How many leading prompt tokens the cache already holds; crops what it cannot reuse.
+
+    A cache may hold tokens that differ from this prompt's (e.g. a prefix that tokenized
+    differently on its own): only the common prefix is kept, so nothing stale is attended to.
+    At least the last prompt token is always fed again, to get its logits.
+    """
+    prompt_length = input_ids.shape[1]
+    seen = cache.get_seq_length()
+    common = cache.common_prefix_length(input_ids) if seen else 0
+    if common < seen:
+        cache.crop(common)
+        seen = common
+    if seen > prompt_length:
+        raise ValueError(
+            f"the cache holds {seen} tokens but input_ids has only {prompt_length}: pass the whole "
+            "sequence (the cached prefix followed by the new tokens)"
+        )
+    if seen == prompt_length:
+        cache.crop(prompt_length - 1)
+        seen = prompt_length - 1
+    capacity = cache.get_max_cache_shape()
+    if capacity is not None and cache.is_compileable and max_length > capacity:
+        raise ValueError(
+            f"max_length {max_length} (prompt {prompt_length} + new tokens) exceeds the cache's "
+            f"max_cache_len {capacity}; build the cache with max_cache_len >= {max_length}"
+        )
+    return seen
+
+
 def _compile_disabled(config: GenerationConfig) -> bool:
     return config.disable_compile or os.environ.get("KVGEN_DISABLE_COMPILE", "") not in ("", "0")
 
@@ -53,16 +83,47 @@ class GenerationMixin:
         past_key_values = model_inputs.pop("past_key_values", None)
         if model_inputs:
             raise TypeError(f"generate() got arguments it does not know: {sorted(model_inputs)}")
+        if past_key_values is not None and "cache_implementation" in kwargs:
+            raise ValueError("pass either past_key_values or cache_implementation, not both")
         config.validate()
         if config.num_beams > 1 or config.num_beam_groups > 1:
             raise NotImplementedError(
                 "beam search (num_beams > 1) is not available in this kvgen version; use greedy decoding or "
                 "do_sample=True"
             )
-        eos_ids = config.eos_ids()
-        if config.pad_token_id is None and eos_ids:
-            config.pad_token_id = eos_ids[0]
+        if config.pad_token_id is None and config.eos_ids():
+            config.pad_token_id = config.eos_ids()[0]
 
+        input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
+        legacy_in = isinstance(past_key_values, (tuple, list))
+        cache = DynamicCache.from_legacy_cache(past_key_values) if legacy_in else past_key_values
+        if cache is not None and not isinstance(cache, Cache):
+            raise TypeError(f"past_key_values must be a kvgen Cache or a legacy tuple, got {type(cache).__name__}")
+        if config.num_return_sequences > 1:
+            n = config.num_return_sequences
+            input_ids = input_ids.repeat_interleave(n, dim=0)
+            attention_mask = attention_mask.repeat_interleave(n, dim=0)
+            if cache is not None and cache.get_seq_length() > 0:
+                cache.batch_repeat_interleave(n)
+        max_length = self._max_length(config, input_ids.shape[1])
+        if not config.use_cache:
+            cache = None
+        elif cache is None:
+            cache = create_cache(config.cache_implementation or "dynamic", config=self.config,
+                                 batch_size=input_ids.shape[0], max_cache_len=max_length, device=self.device,
+                                 dtype=self.dtype, cache_config=config.cache_config)
+        seen = 0 if cache is None else _reusable_prefix(cache, input_ids, max_length)
+
+        sequences, scores, logits = self._decode(input_ids, attention_mask, cache, seen, config, max_length,
+                                                 streamer)
+        if not config.return_dict_in_generate:
+            return sequences
+        if cache is not None and (config.return_legacy_cache or legacy_in):
+            cache = cache.to_legacy_cache()
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache)
+
+    def _prompt_inputs(self, input_ids, attention_mask, config: GenerationConfig):
+        """The prompt on the model's device, with an attention mask (from padding when not given)."""
         device = self.device
         if input_ids is None:
             if config.bos_token_id is None:
@@ -71,27 +132,17 @@ class GenerationMixin:
         input_ids = input_ids.to(device)
         if attention_mask is None:
             pad = config.pad_token_id
-            if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
+            if pad is not None and pad not in config.eos_ids() and bool((input_ids == pad).any()):
                 attention_mask = (input_ids != pad).long()
             else:
                 attention_mask = torch.ones_like(input_ids)
         attention_mask = attention_mask.to(device)
         if bool((attention_mask[:, -1] == 0).any()):
             warnings.warn("the batch is right-padded; set tokenizer.padding_side = 'left' for correct generation")
+        return input_ids, attention_mask
 
-        legacy_in = isinstance(past_key_values, (tuple, list))
-        cache = DynamicCache.from_legacy_cache(past_key_values) if legacy_in else past_key_values
-        if cache is not None and not isinstance(cache, Cache):
-            raise TypeError(f"past_key_values must be a kvgen Cache or a legacy tuple, got {type(cache).__name__}")
-
-        if config.num_return_sequences > 1:
-            n = config.num_return_sequences
-            input_ids = input_ids.repeat_interleave(n, dim=0)
-            attention_mask = attention_mask.repeat_interleave(n, dim=0)
-            if cache is not None and cache.get_seq_length() > 0:
-                cache.batch_repeat_interleave(n)
-
-        batch, prompt_length = input_ids.shape
+    def _max_length(self, config: GenerationConfig, prompt_length: int) -> int:
+        """Total length to stop at (prompt included)."""
         if config.max_new_tokens is not None:
             max_length = prompt_length + config.max_new_tokens
         elif config.max_length is not None:
@@ -105,54 +156,28 @@ class GenerationMixin:
                 f"input_ids has {prompt_length} tokens but max_length is {max_length}, so there is no room for a new "
                 "token; set max_new_tokens (the number of tokens to generate) instead"
             )
-        if cache is None and config.use_cache:
-            cache = create_cache(config.cache_implementation or "dynamic", config=self.config, batch_size=batch,
-                                 max_cache_len=max_length, device=device, dtype=self.dtype,
-                                 cache_config=config.cache_config)
-        elif config.cache_implementation is not None and cache is not None and past_key_values is not None:
-            raise ValueError("pass either past_key_values or cache_implementation, not both")
-        if not config.use_cache:
-            cache = None
+        return max_length
 
-        seen = 0 if cache is None else cache.get_seq_length()
-        if seen and cache.common_prefix_length(input_ids) < seen:
-            # The cache holds tokens that differ from this prompt's (e.g. a prefix that tokenized
-            # differently on its own): keep only the common prefix, so nothing stale is attended to.
-            seen = cache.common_prefix_length(input_ids)
-            cache.crop(seen)
-        if seen > prompt_length:
-            raise ValueError(
-                f"the cache holds {seen} tokens but input_ids has only {prompt_length}: pass the whole "
-                "sequence (the cached prefix followed by the new tokens)"
-            )
-        if seen == prompt_length:  # nothing new to feed: recompute the last token to get its logits
-            cache.crop(prompt_length - 1)
-            seen = prompt_length - 1
-        capacity = None if cache is None else cache.get_max_cache_shape()
-        if capacity is not None and cache.is_compileable and max_length > capacity:
-            raise ValueError(
-                f"max_length {max_length} (prompt {prompt_length} + new tokens) exceeds the cache's "
-                f"max_cache_len {capacity}; build the cache with max_cache_len >= {max_length}"
-            )
-
+    def _decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int,
+                streamer):
+        """Prefill the unseen tokens, then choose and feed one token per step until EOS or ``max_length``."""
+        batch, prompt_length = input_ids.shape
         processors = build_processors(config, prompt_length)
         position_ids = _positions_from_mask(attention_mask)
+        eos = torch.tensor(config.eos_ids(), device=input_ids.device) if config.eos_ids() else None
+        unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
+        scores_out, logits_out = [], []
+        step = self._decode_step(cache, config, batch)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        scores_out, logits_out = [], []
-        unfinished = torch.ones(batch, dtype=torch.bool, device=device)
-        eos = torch.tensor(eos_ids, device=device) if eos_ids else None
-        step = self._decode_step(cache, config, batch, max_length)
-
-        # prefill: every token the cache has not seen
-        cache_position = torch.arange(seen, prompt_length, device=device)
         if cache is None:
             logits = self(input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False, logits_to_keep=1).logits
         else:
             logits = self(input_ids[:, seen:], attention_mask=attention_mask, position_ids=position_ids[:, seen:],
-                          past_key_values=cache, cache_position=cache_position, use_cache=True,
-                          logits_to_keep=1).logits
+                          past_key_values=cache, cache_position=torch.arange(seen, prompt_length,
+                                                                             device=input_ids.device),
+                          use_cache=True, logits_to_keep=1).logits
         while True:
             raw = logits[:, -1, :].float()
             scores = raw
@@ -179,17 +204,10 @@ class GenerationMixin:
             streamer.end()
         if cache is not None:  # the compiled path does not record: set the ids of every position fed
             cache.token_ids = input_ids[:, : cache.get_seq_length()]
+        return (input_ids, tuple(scores_out) if config.output_scores else None,
+                tuple(logits_out) if config.output_logits else None)
 
-        if not config.return_dict_in_generate:
-            return input_ids
-        if cache is not None and (config.return_legacy_cache or legacy_in):
-            cache = cache.to_legacy_cache()
-        return GenerateDecoderOnlyOutput(sequences=input_ids,
-                                         scores=tuple(scores_out) if config.output_scores else None,
-                                         logits=tuple(logits_out) if config.output_logits else None,
-                                         past_key_values=cache)
-
-    def _decode_step(self, cache: Cache | None, config: GenerationConfig, batch: int, max_length: int):
+    def _decode_step(self, cache: Cache | None, config: GenerationConfig, batch: int):
         """A function (input_ids, attention_mask, position_ids) -> logits (B, 1, V) for the newest token."""
         if cache is None:
             def uncached(input_ids, attention_mask, position_ids):
@@ -213,9 +231,10 @@ class GenerationMixin:
             t = input_ids.shape[1] - 1
             full_mask = attention_mask.new_ones(batch, capacity)
             full_mask[:, : attention_mask.shape[1]] = attention_mask
-            # contiguous inputs: slices of the growing tensors change stride, which would recompile
-            return compiled(input_ids[:, -1:].contiguous(), attention_mask=full_mask,
-                            position_ids=position_ids[:, -1:].contiguous(),
+            # fresh canonical strides: slices of the growing tensors change stride every step (even at
+            # batch 1, where .contiguous() keeps them), which would recompile
+            return compiled(input_ids[:, -1:].clone(memory_format=torch.contiguous_format), attention_mask=full_mask,
+                            position_ids=position_ids[:, -1:].clone(memory_format=torch.contiguous_format),
                             past_key_values=cache, use_cache=True,
                             cache_position=torch.tensor([t], device=input_ids.device), logits_to_keep=1).logits
         return static

@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel, bit for bit the same as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -45,7 +47,6 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scaling = self.head_dim ** -0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.sizes = (q_size, kv_size, kv_size)
         bias = config.get("attention_bias", False)
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, bias=bias)
         o_bias = bias and config.model_type != "qwen2"  # qwen2 has biases on q/k/v only
@@ -60,14 +61,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, masks: LayerMasks, cache, cache_position):
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # (B, H, T, D)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, D)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        heads = self.num_heads + self.num_kv_heads
+        qkv = self.qkv_proj(x).view(b, t, heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # rotate the query and key heads together
+            qk = apply_rotary(qkv[:, :, :heads].transpose(1, 2), cos, sin)  # (B, H + Hkv, T, D)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        else:
+            q = apply_rotary(self.q_norm(qkv[:, :, : self.num_heads]).transpose(1, 2), cos, sin)  # (B, H, T, D)
+            k = apply_rotary(self.k_norm(qkv[:, :, self.num_heads: heads]).transpose(1, 2), cos, sin)
+        v = qkv[:, :, heads:].transpose(1, 2)  # (B, Hkv, T, D)
         mask, is_causal = masks(self.layer_idx, self.sliding_window)  # before the update: it asks the cache
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, {"cache_position": cache_position})
