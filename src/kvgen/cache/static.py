@@ -16,7 +16,9 @@ from kvgen.cache.registry import register_cache
 class StaticLayer(CacheLayer):
     """A layer with ``max_cache_len`` preallocated slots; slot ``i`` holds position ``i``.
 
-    Buffers are allocated on the first update (batch, device and dtype default to the
+    Under torch.compile ``update`` returns every slot (static shapes; the mask hides the
+    empty ones); in eager mode only the slots up to the last filled one. Buffers are
+    allocated on the first update (batch, device and dtype default to the
     first keys'), so the cache can be built before the model's device is known.
     """
 
@@ -52,15 +54,22 @@ class StaticLayer(CacheLayer):
             self._allocate(key.shape[0], key.shape[1], key.shape[3], value.shape[3],
                            torch.device(self.device) if self.device is not None else key.device,
                            self.dtype or key.dtype)
+        end = self._filled_end(cache_position)
         self._k.index_copy_(2, cache_position, key.to(self._k.dtype))
         self._v.index_copy_(2, cache_position, value.to(self._v.dtype))
         torch.maximum(self._seen, cache_position[-1:] + 1, out=self._seen)
-        return self._k, self._v
+        return self._k[:, :, :end], self._v[:, :, :end]
+
+    def _filled_end(self, cache_position) -> int:
+        """Slots to attend to: all of them under torch.compile (static shapes); else up to the last filled one."""
+        if torch.compiler.is_compiling():
+            return self.max_cache_len
+        return max(self.get_seq_length(), int(cache_position[-1]) + 1)
 
     def key_positions(self, cache_position):
         if self._positions is None or self._positions.device != cache_position.device:
             self._positions = torch.arange(self.max_cache_len, device=cache_position.device)
-        return self._positions
+        return self._positions[: self._filled_end(cache_position)]
 
     def check_cache_position(self, cache_position):
         last = int(cache_position.max())
