@@ -19,13 +19,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@torch.library.custom_op("kvgen::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """``x @ W.T + b`` with ``W`` in oneDNN's packed layout; opaque to torch.compile (called as is)."""
+# A plain dispatcher op (cheaper per call than torch.library.custom_op): inductor cannot lower
+# oneDNN's op with a packed weight that is not a frozen constant, so it sees this opaque op.
+_LIBRARY = torch.library.Library("kvgen", "DEF")
+_LIBRARY.define("packed_linear(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor")
+
+
+def _packed_linear(x, packed, bias, out_features):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+for _key in ("CPU", "MkldnnCPU"):  # x is a CPU tensor, the packed weight an MkldnnCPU one
+    _LIBRARY.impl("packed_linear", _packed_linear, _key)
+
+
+@torch.library.register_fake("kvgen::packed_linear")
 def _(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
@@ -68,9 +76,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():  # the custom op keeps the packed tensor opaque to inductor
-            return packed_linear(x, self.packed, self.bias, self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")  # no dispatch overhead
+        return torch.ops.kvgen.packed_linear(x, self.packed, self.bias, self.out_features)
 
     def _apply(self, fn, recurse=True):
         was_packed = self.packed is not None
