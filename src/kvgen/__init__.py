@@ -6,14 +6,13 @@ from kvgen.config import AutoConfig, PretrainedConfig
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.streamers import TextStreamer
 from kvgen.models import AutoModelForCausalLM
-from kvgen.tokenizer import AutoTokenizer, BatchEncoding, PreTrainedTokenizerFast
 from kvgen.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                 Qwen3ForCausalLM)
+from kvgen.tokenizer import AutoTokenizer, BatchEncoding, PreTrainedTokenizerFast
 
 __all__ = [
-    "AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "BatchEncoding", "PreTrainedTokenizerFast", "Cache", "CacheLayer", "DynamicCache", "DynamicLayer",
-    "DynamicSlidingWindowLayer", "GenerationConfig", "LlamaForCausalLM", "MistralForCausalLM",
-    "Phi3ForCausalLM", "PretrainedConfig", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "StaticCache", "StaticLayer",
-    "TextStreamer", "cache_implementations",
+    "AutoConfig", "AutoModelForCausalLM", "AutoTokenizer", "BatchEncoding", "Cache", "CacheLayer", "DynamicCache",
+    "DynamicLayer", "DynamicSlidingWindowLayer", "GenerationConfig", "LlamaForCausalLM", "MistralForCausalLM",
+    "Phi3ForCausalLM", "PreTrainedTokenizerFast", "PretrainedConfig", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "StaticCache", "StaticLayer", "TextStreamer", "cache_implementations",
 ]
-
