@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -203,7 +204,8 @@ def run_bench(args) -> int:
                     weights, kv = decode_bytes_per_step(config, batch, context)
                     bandwidth = result.get("bandwidth_bytes_s", {}).get("copy", float("nan"))
                     roofline = batch * bandwidth / (weights + kv)
-                    row = {**spec, **result, "other_cpu_cores_busy": round(busy, 3), "roofline_tok_s": roofline}
+                    row = {**spec, **result, "other_cpu_cores_busy": round(busy, 3), "roofline_tok_s": roofline,
+                           "decode_bytes_per_step": weights + kv}
                     rows.append(row)
                     if "error" in result:
                         print(f"{impl:12s} {cache_name:8s} {prompt:6d} {batch:5d}  error: {result['error']}")
@@ -214,7 +216,7 @@ def run_bench(args) -> int:
                           f"{result['peak_rss_mb']:7.0f} {cache_mb:>8s} {bandwidth / 1e9:5.1f} {busy:5.2f}", flush=True)
                     if busy > BUSY_WARNING:
                         print(f"  warning: other processes kept {busy:.2f} cores busy; timings are unreliable")
-    _print_ratios(rows)
+    _print_summary(rows)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"threads": args.threads,
@@ -223,14 +225,25 @@ def run_bench(args) -> int:
     return 0
 
 
-def _print_ratios(rows: list[dict]) -> None:
-    by_key = {(r["impl"], r["cache"], r["prompt"], r["batch"]): r for r in rows if "error" not in r}
+def _print_summary(rows: list[dict]) -> None:
+    """kvgen/transformers ratios, and roofline fractions against the median bandwidth of all workers
+    (steadier than one worker's probe on a drifting host)."""
+    rows = [r for r in rows if "error" not in r]
+    if not rows:
+        return
+    by_key = {(r["impl"], r["cache"], r["prompt"], r["batch"]): r for r in rows}
     print("\nkvgen / transformers decode speed:")
     for (impl, cache, prompt, batch), row in by_key.items():
         ref = by_key.get(("transformers", cache, prompt, batch))
         if impl == "kvgen" and ref:
             print(f"  {cache:8s} prompt {prompt:5d} batch {batch}: {row['decode_tok_s'] / ref['decode_tok_s']:.2f}x "
                   f"(prefill {ref['prefill_s'] / row['prefill_s']:.2f}x faster)")
+    median = statistics.median(r["bandwidth_bytes_s"]["copy"] for r in rows)
+    print(f"\nof the roofline at the median copy bandwidth of all workers ({median / 1e9:.1f} GB/s):")
+    for (impl, cache, prompt, batch), row in by_key.items():
+        roofline = batch * median / row["decode_bytes_per_step"]
+        row["roofline_median_tok_s"] = roofline
+        print(f"  {impl:12s} {cache:8s} prompt {prompt:5d} batch {batch}: {row['decode_tok_s'] / roofline:4.0%}")
 
 
 if __name__ == "__main__":
