@@ -103,7 +103,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (B, 1, T, R)
     rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return x * cos + x.roll(rotary_dim // 2, dims=-1) * sin
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((x_rot * cos + x_rot.roll(rotary_dim // 2, dims=-1) * sin, x_pass), dim=-1)
+    x_rot = x[..., :rotary_dim]
+    rotated = x_rot * cos + x_rot.roll(rotary_dim // 2, dims=-1) * sin
+    return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

@@ -207,6 +207,18 @@ class DynamicCache(Cache):
         return cache
 
 
+def as_cache(past_key_values) -> tuple[Cache | None, bool]:
+    """``(cache, was_legacy)`` for a ``past_key_values`` argument: a Cache, a legacy tuple (converted) or None."""
+    if isinstance(past_key_values, (tuple, list)):
+        return DynamicCache.from_legacy_cache(past_key_values), True
+    if past_key_values is not None and not isinstance(past_key_values, Cache):
+        raise TypeError(
+            f"past_key_values must be a kvgen Cache or a legacy tuple of (key, value) pairs, "
+            f"got {type(past_key_values).__name__}"
+        )
+    return past_key_values, False
+
+
 @register_cache("dynamic")
 def _dynamic(config, batch_size, max_cache_len, device, dtype, cache_config):
     return DynamicCache(config=config)

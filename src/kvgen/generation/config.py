@@ -117,8 +117,8 @@ class GenerationConfig:
             (c.top_k is None or c.top_k >= 0, f"top_k must be >= 0, got {c.top_k}"),
             (c.repetition_penalty is None or c.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {c.repetition_penalty}"),
-            ((c.num_return_sequences or 1) >= 1, "num_return_sequences must be >= 1"),
-            (sampling or (c.num_beams or 1) > 1 or (c.num_return_sequences or 1) == 1,
+            (c.num_return_sequences >= 1, "num_return_sequences must be >= 1"),
+            (sampling or c.num_beams > 1 or c.num_return_sequences == 1,
              "num_return_sequences > 1 needs do_sample=True (greedy decoding gives identical sequences)"),
         ]
         for ok, message in checks:

@@ -13,7 +13,7 @@ import warnings
 import torch
 
 from kvgen.cache.base import Cache
-from kvgen.cache.dynamic import DynamicCache
+from kvgen.cache.dynamic import as_cache
 from kvgen.cache.registry import create_cache
 from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import build_processors
@@ -95,10 +95,7 @@ class GenerationMixin:
             config.pad_token_id = config.eos_ids()[0]
 
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
-        legacy_in = isinstance(past_key_values, (tuple, list))
-        cache = DynamicCache.from_legacy_cache(past_key_values) if legacy_in else past_key_values
-        if cache is not None and not isinstance(cache, Cache):
-            raise TypeError(f"past_key_values must be a kvgen Cache or a legacy tuple, got {type(cache).__name__}")
+        cache, legacy_in = as_cache(past_key_values)
         if config.num_return_sequences > 1:
             n = config.num_return_sequences
             input_ids = input_ids.repeat_interleave(n, dim=0)

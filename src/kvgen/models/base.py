@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from kvgen.cache.base import Cache
-from kvgen.cache.dynamic import DynamicCache
+from kvgen.cache.dynamic import DynamicCache, as_cache
 from kvgen.config import PretrainedConfig
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.generate import GenerationMixin
@@ -208,14 +208,7 @@ def prepare_decoder_inputs(config, input_ids: torch.Tensor | None, batch: int, l
     against it; ``position_ids`` default to ``cache_position`` (as in transformers).
     """
     use_cache = config.get("use_cache", True) if use_cache is None else use_cache
-    legacy = isinstance(past_key_values, (tuple, list))
-    if legacy:
-        past_key_values = DynamicCache.from_legacy_cache(past_key_values)
-    elif past_key_values is not None and not isinstance(past_key_values, Cache):
-        raise TypeError(
-            f"past_key_values must be a kvgen Cache or a legacy tuple of (key, value) pairs, "
-            f"got {type(past_key_values).__name__}"
-        )
+    past_key_values, legacy = as_cache(past_key_values)
     cache = (past_key_values if past_key_values is not None else DynamicCache(config=config)) if use_cache else None
     compiling = torch.compiler.is_compiling()
     if cache_position is None:

@@ -177,7 +177,8 @@ class LlamaForCausalLM(PreTrainedModel):
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # (B, T, hidden)
         b, t = x.shape[:2]
         cache, legacy, cache_position, position_ids = prepare_decoder_inputs(
-            self.config, input_ids, b, t, x.device, past_key_values, use_cache, cache_position, position_ids, attention_mask)
+            self.config, input_ids, b, t, x.device, past_key_values, use_cache, cache_position, position_ids,
+            attention_mask)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)
         masks = LayerMasks(cache, cache_position, attention_mask)
         for layer in self.model.layers:
