@@ -7,7 +7,7 @@ only the tokens that the cache has not seen yet are fed.
 
 from __future__ import annotations
 
-import os
+import contextlib
 import warnings
 
 import torch
@@ -18,6 +18,7 @@ from kvgen.cache.registry import create_cache
 from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import build_processors
 from kvgen.generation.search import choose_next_tokens
+from kvgen.models.decode_blocks import blocks_compiled, eager_blocks
 from kvgen.outputs import GenerateDecoderOnlyOutput
 
 
@@ -55,10 +56,6 @@ def _reusable_prefix(cache: Cache, input_ids: torch.Tensor, max_length: int) -> 
             f"max_cache_len {capacity}; build the cache with max_cache_len >= {max_length}"
         )
     return seen
-
-
-def _compile_disabled(config: GenerationConfig) -> bool:
-    return config.disable_compile or os.environ.get("KVGEN_DISABLE_COMPILE", "") not in ("", "0")
 
 
 class GenerationMixin:
@@ -111,8 +108,9 @@ class GenerationMixin:
                                  dtype=self.dtype, cache_config=config.cache_config)
         seen = 0 if cache is None else _reusable_prefix(cache, input_ids, max_length)
 
-        sequences, scores, logits = self._decode(input_ids, attention_mask, cache, seen, config, max_length,
-                                                 streamer)
+        with eager_blocks() if config.disable_compile else contextlib.nullcontext():
+            sequences, scores, logits = self._decode(input_ids, attention_mask, cache, seen, config, max_length,
+                                                     streamer)
         if not config.return_dict_in_generate:
             return sequences
         if cache is not None and (config.return_legacy_cache or legacy_in):
@@ -212,7 +210,7 @@ class GenerationMixin:
                             use_cache=False, logits_to_keep=1).logits
             return uncached
 
-        if not cache.is_compileable or _compile_disabled(config):
+        if not cache.is_compileable or not blocks_compiled():  # (disable_compile: in eager_blocks())
             def eager(input_ids, attention_mask, position_ids):
                 t = input_ids.shape[1] - 1
                 return self(input_ids[:, -1:], attention_mask=attention_mask, position_ids=position_ids[:, -1:],

@@ -36,7 +36,7 @@ def _load_file(path: Path) -> dict[str, torch.Tensor]:
     """Read every tensor of one safetensors file into its own memory (no shared mmap).
 
     Tensors backed by one mmap of the file keep all its touched pages resident while any
-    of them lives; separate buffers are freed one by one (e.g. as weights get repacked).
+    of them lives; separate buffers are freed one by one (e.g. as q/k/v get fused).
     """
     if not path.is_file():
         raise FileNotFoundError(f"safetensors file not found: {path}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ from kvgen.generation.config import GenerationConfig
 from kvgen.generation.generate import GenerationMixin
 from kvgen.loading.hub import resolve_model_dir
 from kvgen.masks import attention_mask as build_mask, check_padding_mask
-from kvgen.models.linear import Linear
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -169,23 +167,11 @@ class PreTrainedModel(nn.Module, GenerationMixin):
                 )
         model.load_state_dict({k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
                                for k, v in state_dict.items()}, assign=True, strict=False)
-        state_dict.clear()  # the model holds the only references now, so packing frees each dense weight
+        state_dict.clear()  # the model holds the only references now
         model.tie_weights()
         model.init_buffers(device)
         model.requires_grad_(False)
-        model.pack_weights()
         return model.eval()
-
-    def pack_weights(self) -> None:
-        """Pre-pack linear weights for fast streaming on float32 CPU (see ``kvgen.models.linear``).
-
-        A weight shared with another module (tied embeddings) keeps its dense copy too.
-        """
-        owners = Counter(id(p) for module in self.modules() for p in module.parameters(recurse=False))
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.keep_dense = owners[id(module.weight)] > 1
-                module.pack()
 
     def tie_weights(self) -> None:
         """Share input and output embeddings when the config says so (subclasses with heads override)."""

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
+from kvgen.models.decode_blocks import decode_block
 from kvgen.models.linear import Linear
 from kvgen.outputs import CausalLMOutputWithPast
 from kvgen.rope import RotaryEmbedding, apply_rotary
@@ -59,7 +60,8 @@ class Attention(nn.Module):
         is_sliding = config.layer_types[layer_idx] == "sliding_attention"
         self.sliding_window = config.sliding_window if is_sliding else None
 
-    def forward(self, x, cos, sin, masks: LayerMasks, cache, cache_position):
+    def project(self, x, cos, sin):
+        """Queries (B, H, T, D), keys and values (B, Hkv, T, D) of the normed hidden states, rotated."""
         b, t, _ = x.shape
         heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x).view(b, t, heads + self.num_kv_heads, self.head_dim)
@@ -69,13 +71,19 @@ class Attention(nn.Module):
         else:
             q = apply_rotary(self.q_norm(qkv[:, :, : self.num_heads]).transpose(1, 2), cos, sin)  # (B, H, T, D)
             k = apply_rotary(self.k_norm(qkv[:, :, self.num_heads: heads]).transpose(1, 2), cos, sin)
-        v = qkv[:, :, heads:].transpose(1, 2)  # (B, Hkv, T, D)
+        return q, k, qkv[:, :, heads:].transpose(1, 2)
+
+    def attend(self, q, k, v, masks: LayerMasks, cache, cache_kwargs: dict):
+        """Store k/v in the cache and attend to everything it returns: (B, T, H * D).
+
+        ``cache_kwargs``: ``cache_position`` and ``rotary_emb`` (for caches that re-rotate keys).
+        """
         mask, is_causal = masks(self.layer_idx, self.sliding_window)  # before the update: it asks the cache
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx, {"cache_position": cache_position})
+            k, v = cache.update(k, v, self.layer_idx, cache_kwargs)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling,
                                              enable_gqa=self.num_heads != self.num_kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return out.transpose(1, 2).flatten(2)
 
 
 class MLP(nn.Module):
@@ -99,9 +107,25 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, masks, cache, cache_position):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, masks, cache, cache_position)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, masks, cache, cache_kwargs):
+        q, k, v = _attention_inputs(self, x, cos, sin)
+        return _finish_layer(self, x, self.self_attn.attend(q, k, v, masks, cache, cache_kwargs))
+
+
+@decode_block
+def _attention_inputs(layer: DecoderLayer, x, cos, sin):
+    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+
+
+@decode_block
+def _finish_layer(layer: DecoderLayer, x, attn):
+    x = x + layer.self_attn.o_proj(attn)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+@decode_block
+def _logits(model: LlamaForCausalLM, x):
+    return model.lm_head(model.model.norm(x))
 
 
 class LlamaModel(nn.Module):
@@ -181,10 +205,11 @@ class LlamaForCausalLM(PreTrainedModel):
             attention_mask)
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)
         masks = LayerMasks(cache, cache_position, attention_mask)
+        cache_kwargs = {"cache_position": cache_position, "rotary_emb": self.model.rotary_emb}
         for layer in self.model.layers:
-            x = layer(x, cos, sin, masks, cache, cache_position)
-        x = self.model.norm(x[:, -logits_to_keep:] if logits_to_keep else x)
-        out = CausalLMOutputWithPast(logits=self.lm_head(x), past_key_values=finish_cache(cache, legacy))
+            x = layer(x, cos, sin, masks, cache, cache_kwargs)
+        logits = _logits(self, x[:, -logits_to_keep:] if logits_to_keep else x)
+        out = CausalLMOutputWithPast(logits=logits, past_key_values=finish_cache(cache, legacy))
         return out if return_dict else out.to_tuple()
 
 

@@ -1,0 +1,72 @@
+"""Compiled per-layer blocks for decode steps on CPU (regional compilation).
+
+A decode step feeds one token per sequence, so it is a chain of small operations: in eager
+mode every layer pays ~30 kernel launches, and a one-row matrix product streams its weight
+at about half the memory bandwidth. A model marks the dense parts of a layer (norms,
+projections, rotary, MLP) as blocks with :func:`decode_block`; for inputs of at most
+:data:`MAX_ROWS` token rows on CPU without autograd, a block runs ``torch.compile``'d:
+inductor fuses the element-wise work and, through :class:`kvgen.models.linear.Linear`,
+streams each weight once. Weights are graph inputs, so one compiled graph serves every
+layer. The cache update and attention stay eager, so every cache type works unchanged.
+
+``KVGEN_DISABLE_COMPILE=1`` or :func:`eager_blocks` runs the blocks eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+
+import torch
+
+#: most token rows (batch x new tokens) a compiled block takes; larger inputs (prefill) run eagerly
+MAX_ROWS = 8
+
+_eager_depth = 0
+
+
+def blocks_compiled() -> bool:
+    """Whether blocks compile now (not disabled by the environment or :func:`eager_blocks`)."""
+    return _eager_depth == 0 and os.environ.get("KVGEN_DISABLE_COMPILE", "") in ("", "0")
+
+
+@contextlib.contextmanager
+def eager_blocks():
+    """Run every decode block eagerly inside this context (``generate(disable_compile=True)``)."""
+    global _eager_depth
+    _eager_depth += 1
+    try:
+        yield
+    finally:
+        _eager_depth -= 1
+
+
+def decode_block(fn):
+    """Decorate ``fn(module, x, *tensors)``, where ``x`` is (B, T, hidden), as a compiled decode block.
+
+    Example:
+        >>> @decode_block
+        ... def mlp_block(layer, x):
+        ...     return x + layer.mlp(layer.norm(x))
+    """
+    compiled = None
+    failed = False
+
+    @functools.wraps(fn)
+    def run(module, x, *args):
+        nonlocal compiled, failed
+        if (failed or x.device.type != "cpu" or x.shape[0] * x.shape[1] > MAX_ROWS or torch.is_grad_enabled()
+                or torch.compiler.is_compiling() or not blocks_compiled()):
+            return fn(module, x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=False)
+        try:
+            return compiled(module, x, *args)
+        except torch._dynamo.exc.BackendCompilerFailed as error:  # e.g. no C++ compiler on this machine
+            failed = True
+            warnings.warn(f"compiling {fn.__name__} failed, running it eagerly from now on: {error}")
+            return fn(module, x, *args)
+
+    return run

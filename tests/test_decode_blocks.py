@@ -1,0 +1,80 @@
+"""Compiled decode blocks: same numbers as eager, one graph per block for all layers, and the off switches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from kvgen import DynamicCache, GenerationConfig, LlamaForCausalLM, PretrainedConfig, StaticCache
+from kvgen.models.decode_blocks import MAX_ROWS, eager_blocks
+from kvgen.models.linear import Linear
+
+CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+              rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(PretrainedConfig(**CONFIG)).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return m
+
+
+def compiled_graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_under_compile_equals_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    layer = Linear(48, 40, bias=bias)
+    x = torch.randn(rows, 1, 48)
+    out = torch.compile(layer, dynamic=False)(x)
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def decode(model, steps=5, batch=2):
+    """Logits of ``steps`` one-token decode steps after an 8-token prompt, through a DynamicCache."""
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch, 8), generator=torch.Generator().manual_seed(1))
+    cache, out = DynamicCache(), []
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits
+        for _ in range(steps):
+            logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            out.append(logits)
+    return torch.cat(out, dim=1)
+
+
+def test_decode_steps_compile_once_for_all_layers_and_match_eager(model):
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = decode(model)
+    # three blocks (attention inputs, rest of the layer, final norm + lm_head) shared by the 3 layers,
+    # and no recompilation as the cache grows
+    assert compiled_graphs() == 3
+    with eager_blocks():
+        eager = decode(model)
+    assert compiled_graphs() == 3
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_blocks_stay_eager_when_switched_off_or_too_big(model, monkeypatch):
+    torch._dynamo.reset()
+    counters.clear()
+    decode(model, batch=MAX_ROWS + 1)  # more rows than a block takes
+    with torch.enable_grad():  # autograd: eager
+        model(torch.ones(1, 1, dtype=torch.long))
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")
+    decode(model)
+    monkeypatch.delenv("KVGEN_DISABLE_COMPILE")
+    ids = torch.ones(1, 4, dtype=torch.long)
+    model.generate(ids, generation_config=GenerationConfig(max_new_tokens=3, disable_compile=True))
+    model.generate(ids, max_new_tokens=3, past_key_values=StaticCache(config=model.config, max_cache_len=8),
+                   disable_compile=True)
+    assert compiled_graphs() == 0
