@@ -53,6 +53,28 @@ def test_generate_with_the_default_prompt(smollm, capsys):
     assert cache_bytes >= live  # at least the keys and values of every token fed
 
 
+def test_cache_config_option_parses_numbers_booleans_and_names():
+    assert kvgen.cli.parse_cache_config("backend=kivi, nbits=2,q_group_size=64,axis_key=0,flag=true,scale=0.5") == {
+        "backend": "kivi", "nbits": 2, "q_group_size": 64, "axis_key": 0, "flag": True, "scale": 0.5}
+    with pytest.raises(SystemExit):
+        main(["generate", "--cache", "quantized", "--cache-config", "nbits"])
+
+
+def test_generate_with_a_quantized_cache_config(smollm, capsys):
+    model, tokenizer = smollm
+    argv = ["generate", "--cache", "quantized", "--cache-config", "backend=kivi,nbits=2,residual_length=4,q_group_size=4",
+            "--max-new-tokens", "12"]
+    assert main(argv) == 0
+    text, stats = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    inputs = tokenizer(DEFAULT_PROMPT, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=12, do_sample=False, cache_implementation="quantized",
+                         cache_config={"backend": "kivi", "nbits": 2, "residual_length": 4, "q_group_size": 4},
+                         return_dict_in_generate=True)
+    assert text == tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    cache, prompt_tokens, new_tokens, cache_bytes = parse_stats(stats)
+    assert (cache, cache_bytes) == ("QuantizedCache", out.past_key_values.nbytes())  # the settings reached it
+
+
 def test_generate_static_chat_stream(smollm, capsys, monkeypatch):
     model, tokenizer = smollm
     monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")

@@ -78,3 +78,16 @@ def test_blocks_stay_eager_when_switched_off_or_too_big(model, monkeypatch):
     model.generate(ids, max_new_tokens=3, past_key_values=StaticCache(config=model.config, max_cache_len=8),
                    disable_compile=True)
     assert compiled_graphs() == 0
+
+
+def test_the_last_position_of_a_short_prefill_reuses_the_decode_graph(model):
+    torch._dynamo.reset()
+    counters.clear()
+    cache = DynamicCache()
+    with torch.no_grad():
+        logits = model(torch.ones(1, 4, dtype=torch.long), past_key_values=cache, logits_to_keep=1).logits
+        for _ in range(2):
+            logits = model(logits[:, -1:].argmax(-1), past_key_values=cache).logits
+    # 4-token prefill: two layer blocks + logits of x[:, -1:] (a strided view, given canonical strides);
+    # decode: two layer blocks for one token, the logits graph reused
+    assert compiled_graphs() == 5

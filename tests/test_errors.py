@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import json
 import shutil
 import sys
@@ -69,7 +71,7 @@ def test_fewer_layers_in_the_config_than_in_the_checkpoint(checkpoint, tmp_path)
 
 def test_unsupported_model_type(checkpoint, tmp_path):
     folder = edited_copy(checkpoint[0], tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"'gpt2' is not supported; kvgen loads: llama, mistral, phi3, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported; kvgen loads: gemma2, gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
         AutoModelForCausalLM.from_pretrained(folder)
 
 
@@ -207,6 +209,18 @@ def test_cache_position_behind_the_cache(model, filled_cache):
 def test_cache_position_of_the_wrong_length(model, filled_cache):
     with pytest.raises(ValueError, match=r"one entry per new token \(1\); got shape \(2,\)"):
         model(ids(1), past_key_values=filled_cache, cache_position=torch.tensor([5, 6]))
+
+
+def test_whole_sequence_cache_position_with_only_the_new_token(model, filled_cache):
+    """The seeds' Gemma 2 example passes arange(past + new) with just the new token: it means the last entry."""
+    reference = copy.deepcopy(filled_cache)
+    with torch.no_grad():
+        out = model(ids(1), past_key_values=filled_cache, cache_position=torch.arange(6)).logits
+        expected = model(ids(1), past_key_values=reference, cache_position=torch.tensor([5])).logits
+    torch.testing.assert_close(out, expected)
+    assert filled_cache.get_seq_length() == 6
+    with pytest.raises(ValueError, match=r"one entry per new token \(1\); got shape \(8,\)"):
+        model(ids(1), past_key_values=filled_cache, cache_position=torch.arange(8))  # cache holds 6, not 7
 
 
 def test_attention_mask_shorter_than_past_and_new(model, filled_cache):

@@ -37,6 +37,10 @@ def other_cpu_use(seconds: float = 0.5) -> float:
     return busy * (os.cpu_count() or 1)
 
 
+#: caches that take ``--cache-config`` (the others ignore it)
+CONFIGURED_CACHES = ("quantized", "sink")
+
+
 def memory_bandwidth(threads: int, megabytes: int = 256) -> dict[str, float]:
     """Bytes per second of a large tensor copy (bytes copied; read + written) and of a sum (read), best of 5."""
     torch.set_num_threads(threads)
@@ -124,7 +128,7 @@ def _worker(spec: dict) -> dict:
 
         def make_cache(max_len):
             return create_cache(cache_name, config=model.config, batch_size=batch, max_cache_len=max_len,
-                                device="cpu", dtype=torch.float32)
+                                device="cpu", dtype=torch.float32, cache_config=spec.get("cache_config"))
         extra = {}
     else:
         import transformers
@@ -144,6 +148,8 @@ def _worker(spec: dict) -> dict:
                 return transformers.StaticCache(config=model.config, max_cache_len=max_len)
         elif cache_name != "dynamic":
             extra["cache_implementation"] = cache_name
+            if spec.get("hf_cache_config"):
+                extra["cache_config"] = spec["hf_cache_config"]
 
     def run(p, n):
         clock = _Clock()
@@ -189,7 +195,7 @@ def run_bench(args) -> int:
     print(f"roofline = copy bandwidth (bytes copied per second by a 256 MB tensor copy, {args.threads} threads, "
           "measured in each worker right before its decode) / bytes of weights and KV read per decode step")
     rows = []
-    header = (f"{'impl':12s} {'cache':8s} {'prompt':>6s} {'batch':>5s} {'prefill_s':>9s} {'decode_tok/s':>12s} "
+    header = (f"{'impl':12s} {'cache':16s} {'prompt':>6s} {'batch':>5s} {'prefill_s':>9s} {'decode_tok/s':>12s} "
               f"{'roofline':>8s} {'of_roof':>7s} {'rss_MB':>7s} {'cache_MB':>8s} {'GB/s':>5s} {'busy':>5s}")
     print(header)
     for cache_name in args.caches.split(","):
@@ -198,20 +204,25 @@ def run_bench(args) -> int:
                 for impl in args.implementations.split(","):
                     spec = {"impl": impl, "cache": cache_name, "prompt": prompt, "batch": batch,
                             "new_tokens": args.new_tokens, "threads": args.threads, "model": model_dir}
+                    if cache_name in CONFIGURED_CACHES:
+                        spec["cache_config"] = args.cache_config
+                        spec["hf_cache_config"] = args.hf_cache_config or args.cache_config
                     busy = other_cpu_use()
                     result = _measure(spec)
                     context = prompt + args.new_tokens if cache_name == "static" else prompt + args.new_tokens / 2
                     weights, kv = decode_bytes_per_step(config, batch, context)
+                    if cache_name == "quantized" and result.get("cache_bytes"):  # what the codes really take
+                        kv = result["cache_bytes"] * context / (prompt + args.new_tokens)
                     bandwidth = result.get("bandwidth_bytes_s", {}).get("copy", float("nan"))
                     roofline = batch * bandwidth / (weights + kv)
                     row = {**spec, **result, "other_cpu_cores_busy": round(busy, 3), "roofline_tok_s": roofline,
                            "decode_bytes_per_step": weights + kv}
                     rows.append(row)
                     if "error" in result:
-                        print(f"{impl:12s} {cache_name:8s} {prompt:6d} {batch:5d}  error: {result['error']}")
+                        print(f"{impl:12s} {cache_name:16s} {prompt:6d} {batch:5d}  error: {result['error']}")
                         continue
                     cache_mb = "-" if result["cache_bytes"] is None else f"{result['cache_bytes'] / 2**20:.1f}"
-                    print(f"{impl:12s} {cache_name:8s} {prompt:6d} {batch:5d} {result['prefill_s']:9.2f} "
+                    print(f"{impl:12s} {cache_name:16s} {prompt:6d} {batch:5d} {result['prefill_s']:9.2f} "
                           f"{result['decode_tok_s']:12.2f} {roofline:8.2f} {result['decode_tok_s'] / roofline:7.0%} "
                           f"{result['peak_rss_mb']:7.0f} {cache_mb:>8s} {bandwidth / 1e9:5.1f} {busy:5.2f}", flush=True)
                     if busy > BUSY_WARNING:
@@ -236,14 +247,14 @@ def _print_summary(rows: list[dict]) -> None:
     for (impl, cache, prompt, batch), row in by_key.items():
         ref = by_key.get(("transformers", cache, prompt, batch))
         if impl == "kvgen" and ref:
-            print(f"  {cache:8s} prompt {prompt:5d} batch {batch}: {row['decode_tok_s'] / ref['decode_tok_s']:.2f}x "
+            print(f"  {cache:16s} prompt {prompt:5d} batch {batch}: {row['decode_tok_s'] / ref['decode_tok_s']:.2f}x "
                   f"(prefill {ref['prefill_s'] / row['prefill_s']:.2f}x faster)")
     median = statistics.median(r["bandwidth_bytes_s"]["copy"] for r in rows)
     print(f"\nof the roofline at the median copy bandwidth of all workers ({median / 1e9:.1f} GB/s):")
     for (impl, cache, prompt, batch), row in by_key.items():
         roofline = batch * median / row["decode_bytes_per_step"]
         row["roofline_median_tok_s"] = roofline
-        print(f"  {impl:12s} {cache:8s} prompt {prompt:5d} batch {batch}: {row['decode_tok_s'] / roofline:4.0%}")
+        print(f"  {impl:12s} {cache:16s} prompt {prompt:5d} batch {batch}: {row['decode_tok_s'] / roofline:4.0%}")
 
 
 if __name__ == "__main__":

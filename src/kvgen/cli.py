@@ -59,6 +59,26 @@ def _text_streamer(tokenizer):
     return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
+def parse_cache_config(text: str) -> dict:
+    """``"backend=kivi,nbits=2"`` -> ``{"backend": "kivi", "nbits": 2}`` (numbers and true/false converted)."""
+    config = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise argparse.ArgumentTypeError(f"cache setting {item!r} is not KEY=VALUE (e.g. nbits=4)")
+        value = value.strip()
+        for convert in (int, float):
+            try:
+                value = convert(value)
+                break
+            except ValueError:
+                pass
+        else:
+            value = {"true": True, "false": False}.get(value.lower(), value)
+        config[key.strip()] = value
+    return config
+
+
 def _make_cache(model, name: str, cache_config, max_cache_len: int):
     from kvgen.cache import create_cache
 
@@ -81,7 +101,7 @@ def cmd_generate(args) -> int:
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
     prompt_tokens = inputs["input_ids"].shape[1]
-    cache = _make_cache(model, args.cache, None, prompt_tokens + args.max_new_tokens)
+    cache = _make_cache(model, args.cache, args.cache_config, prompt_tokens + args.max_new_tokens)
     clock = _Clock(tokenizer if args.stream else None)
     out = model.generate(**inputs.to(model.device), past_key_values=cache, max_new_tokens=args.max_new_tokens,
                          do_sample=args.do_sample, temperature=args.temperature, streamer=clock)
@@ -108,7 +128,7 @@ def chat_turn(model, tokenizer, cache, messages: list[dict], max_new_tokens: int
 
 def cmd_chat(args) -> int:
     model, tokenizer = load(args.model, args.dtype)
-    cache = _make_cache(model, args.cache, None, args.max_cache_len)
+    cache = _make_cache(model, args.cache, args.cache_config, args.max_cache_len)
     messages: list[dict] = []
     print("kvgen chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -142,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     def common(p):
         p.add_argument("--model", help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
         p.add_argument("--cache", default="dynamic", choices=cache_implementations(), help="cache implementation")
+        p.add_argument("--cache-config", type=parse_cache_config, default=None, metavar="KEY=VALUE,...",
+                       help="settings of the cache, e.g. backend=kivi,nbits=2 for --cache quantized")
         p.add_argument("--max-new-tokens", type=int, default=30)
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
@@ -162,7 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="kvgen and transformers side by side")
     b.add_argument("--model", help="HF folder (default: packaged SmolLM2-135M-Instruct, float32)")
-    b.add_argument("--caches", default="dynamic,static")
+    b.add_argument("--caches", default="dynamic,static",
+                   help=f"comma-separated cache implementations ({', '.join(cache_implementations())})")
+    b.add_argument("--cache-config", type=parse_cache_config, default=None, metavar="KEY=VALUE,...",
+                   help="settings of the quantized or sink cache, e.g. backend=kivi,nbits=4")
+    b.add_argument("--hf-cache-config", type=parse_cache_config, default=None, metavar="KEY=VALUE,...",
+                   help="transformers' settings for the same cache (default: --cache-config), e.g. backend=quanto")
     b.add_argument("--prompts", default="512,4096")
     b.add_argument("--batches", default="1,4")
     b.add_argument("--new-tokens", type=int, default=32)

@@ -24,6 +24,19 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
               "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
     "phi3": {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "sliding_window": None},
 }
+# Gemma 2 / Gemma 3 text: transformers' config defaults (Gemma 3's global rope base is 1e6, local 1e4).
+_GEMMA_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "tie_word_embeddings": True, "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+}
+_FAMILY_DEFAULTS["gemma2"] = {**_GEMMA_DEFAULTS, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+                              "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
+_FAMILY_DEFAULTS["gemma3_text"] = {**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "max_position_embeddings": 131_072,
+                                   "final_logit_softcapping": None, "attn_logit_softcapping": None,
+                                   "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}
+GEMMA3_TYPES = ("gemma3_text", "gemma3")  # "gemma3" is the multimodal wrapper; kvgen reads its text part
+_FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
 
 
 class PretrainedConfig:
@@ -59,6 +72,8 @@ class PretrainedConfig:
         self._normalise_layer_types()
 
     def _normalise_rope(self) -> None:
+        if self.model_type in GEMMA3_TYPES:
+            self._split_gemma3_rope()
         params = getattr(self, "rope_parameters", None)
         if params is None:
             scaling = getattr(self, "rope_scaling", None) or {}
@@ -75,6 +90,28 @@ class PretrainedConfig:
         self.rope_parameters = params
         self.rope_theta = params["rope_theta"]
 
+    def _split_gemma3_rope(self) -> None:
+        """Gemma 3: global layers' rope -> ``rope_parameters``, sliding layers' -> ``local_rope_parameters``.
+
+        Reads transformers 5's per-layer-type ``rope_parameters`` ({"full_attention": {...},
+        "sliding_attention": {...}}) and the older ``rope_theta`` + ``rope_scaling`` (global) +
+        ``rope_local_base_freq`` (local, always default rope) spelling alike.
+        """
+        params = getattr(self, "rope_parameters", None)
+        if isinstance(params, dict) and params.keys() & {"full_attention", "sliding_attention"}:
+            full = dict(params.get("full_attention") or {})
+            full.setdefault("rope_theta", getattr(self, "rope_theta", 1_000_000.0))
+            local = dict(params.get("sliding_attention") or {})
+            local.setdefault("rope_theta", self.rope_local_base_freq)
+            self.rope_parameters = full
+            self.local_rope_parameters = local
+        elif getattr(self, "local_rope_parameters", None) is None:
+            self.local_rope_parameters = {"rope_type": "default", "rope_theta": self.rope_local_base_freq}
+        local = dict(self.local_rope_parameters)
+        local["rope_type"] = local.pop("type", None) or local.get("rope_type") or "default"
+        self.local_rope_parameters = local
+        self.rope_local_base_freq = local["rope_theta"]
+
     def _normalise_layer_types(self) -> None:
         n = getattr(self, "num_hidden_layers", None)
         if n is None:
@@ -82,6 +119,10 @@ class PretrainedConfig:
         if self.model_type in ("qwen2", "qwen3") and not getattr(self, "use_sliding_window", False):
             self.sliding_window = None
         window = getattr(self, "sliding_window", None)
+        if getattr(self, "layer_types", None) is None and self.model_type in ("gemma2", *GEMMA3_TYPES):
+            # Gemma 2 alternates sliding/global from layer 0; Gemma 3 makes every pattern-th layer global
+            pattern = 2 if self.model_type == "gemma2" else self.sliding_window_pattern
+            self.layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
         if getattr(self, "layer_types", None) is None:
             first_sliding = getattr(self, "max_window_layers", 0) if self.model_type in ("qwen2", "qwen3") else 0
             self.layer_types = [

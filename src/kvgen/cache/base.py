@@ -30,6 +30,9 @@ class CacheLayer:
     sliding_window: int | None = None
     #: True when the layer preallocates (static shapes, usable under torch.compile)
     is_compileable: bool = False
+    #: True when ``update`` takes the model's rotary embedding as ``rotary_emb=`` (from ``cache_kwargs``),
+    #: for layers that re-rotate cached keys (attention sinks)
+    needs_rotary: bool = False
 
     def update(self, key: torch.Tensor, value: torch.Tensor,
                cache_position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +80,19 @@ class CacheLayer:
         """Bytes allocated by this layer's tensors."""
         return 0
 
+    def map_tensors(self, fn) -> None:
+        """Replace every tensor the layer stores by ``fn(tensor)`` (offloading moves layers with it).
+
+        The default covers tensor attributes and attributes with a ``map_tensors`` method of
+        their own (e.g. quantized stores), and skips everything else (shared scratch buffers);
+        a layer that keeps tensors elsewhere, or views of its own tensors, overrides it.
+        """
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, fn(value))
+            elif not isinstance(value, type) and callable(getattr(value, "map_tensors", None)):
+                value.map_tensors(fn)
+
 
 class Cache:
     """A list of per-layer caches with the Hugging Face cache API.
@@ -120,6 +136,9 @@ class Cache:
         if cache_position is None:
             start = layer.get_seq_length()
             cache_position = torch.arange(start, start + key_states.shape[-2], device=key_states.device)
+        if layer.needs_rotary:
+            return layer.update(key_states, value_states, cache_position,
+                                rotary_emb=(cache_kwargs or {}).get("rotary_emb"))
         return layer.update(key_states, value_states, cache_position)
 
     def key_positions(self, layer_idx: int, cache_position: torch.Tensor) -> torch.Tensor:
@@ -249,6 +268,24 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layers={len(self.layers)}, seq_length={self.get_seq_length()})"
+
+
+def map_nested(value, fn):
+    """``value`` with every tensor in it replaced by ``fn(tensor)``: tensors, lists, tuples and dicts of them.
+
+    Objects with a ``map_tensors`` method are mapped in place; anything else is returned as is.
+    """
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [map_nested(v, fn) for v in value]
+    if isinstance(value, tuple):
+        return tuple(map_nested(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_nested(v, fn) for k, v in value.items()}
+    if not isinstance(value, type) and callable(getattr(value, "map_tensors", None)):
+        value.map_tensors(fn)
+    return value
 
 
 def config_value(config, name: str, default=None):

@@ -176,20 +176,29 @@ class DynamicCache(Cache):
         >>> from kvgen import AutoModelForCausalLM, DynamicCache  # doctest: +SKIP
         >>> cache = DynamicCache(config=model.config)              # doctest: +SKIP
         >>> out = model.generate(**inputs, past_key_values=cache)  # doctest: +SKIP
+
+    ``offloading=True`` keeps all but the layer being computed on the CPU (see
+    :mod:`kvgen.cache.offload`); ``offload_only_non_sliding=True`` then leaves the
+    sliding-window layers on the device.
     """
 
-    def __init__(self, config=None, **unused_for_compatibility):
+    def __init__(self, config=None, offloading: bool = False, offload_only_non_sliding: bool = False,
+                 **unused_for_compatibility):
         if config is None:
             super().__init__(layer_factory=lambda i: DynamicLayer())
-            return
-        config = text_config(config)
-        layer_types = config_value(config, "layer_types") or []
-        window = config_value(config, "sliding_window")
-        layers = [
-            DynamicSlidingWindowLayer(window) if kind == "sliding_attention" and window else DynamicLayer()
-            for kind in layer_types
-        ]
-        super().__init__(layers=layers, layer_factory=None if layers else (lambda i: DynamicLayer()))
+        else:
+            config = text_config(config)
+            layer_types = config_value(config, "layer_types") or []
+            window = config_value(config, "sliding_window")
+            layers = [
+                DynamicSlidingWindowLayer(window) if kind == "sliding_attention" and window else DynamicLayer()
+                for kind in layer_types
+            ]
+            super().__init__(layers=layers, layer_factory=None if layers else (lambda i: DynamicLayer()))
+        if offloading:
+            from kvgen.cache.offload import enable_offloading  # (offload.py imports this module)
+
+            enable_offloading(self, only_non_sliding=offload_only_non_sliding)
 
     @classmethod
     def from_legacy_cache(cls, past_key_values: LegacyCache | None) -> "DynamicCache":

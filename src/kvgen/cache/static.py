@@ -138,10 +138,14 @@ class StaticCache(Cache):
         >>> cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=1024,
         ...                     device="cpu", dtype=torch.float32)         # doctest: +SKIP
         >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=20)  # doctest: +SKIP
+
+    ``offloading=True`` preallocates the buffers on ``offload_device`` (CPU) and keeps only
+    the layer being computed (and the next) on ``device`` (see :mod:`kvgen.cache.offload`).
     """
 
     def __init__(self, config=None, max_batch_size: int | None = None, max_cache_len: int | None = None,
-                 device=None, dtype=None, batch_size: int | None = None, **unused_for_compatibility):
+                 device=None, dtype=None, batch_size: int | None = None, offloading: bool = False,
+                 offload_only_non_sliding: bool = True, offload_device="cpu", **unused_for_compatibility):
         if config is None:
             raise ValueError("StaticCache needs the model's config: StaticCache(config=model.config, max_cache_len=...)")
         config = text_config(config)
@@ -154,8 +158,14 @@ class StaticCache(Cache):
         head_dim = config_value(config, "head_dim") or (
             config_value(config, "hidden_size") // config_value(config, "num_attention_heads"))
         self.max_cache_len = max_cache_len
-        super().__init__(layers=[StaticLayer(max_cache_len, batch, heads, head_dim, device, dtype)
+        # offloaded buffers are preallocated on the offload device, not on the compute device
+        layer_device = offload_device if offloading and None not in (batch, dtype) else device
+        super().__init__(layers=[StaticLayer(max_cache_len, batch, heads, head_dim, layer_device, dtype)
                                  for _ in range(n_layers)])
+        if offloading:
+            from kvgen.cache.offload import enable_offloading  # (offload.py imports this module)
+
+            enable_offloading(self, offload_device, only_non_sliding=offload_only_non_sliding, compute_device=device)
 
     def _empty_max_cache_shape(self):
         return self.max_cache_len

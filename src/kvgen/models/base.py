@@ -201,6 +201,11 @@ def prepare_decoder_inputs(config, input_ids: torch.Tensor | None, batch: int, l
         start = cache.get_seq_length() if cache is not None else 0
         cache_position = torch.arange(start, start + length, device=device)
     elif not compiling:
+        if cache_position.dim() == 1 and cache_position.shape[0] > length and cache is not None \
+                and bool((cache_position == torch.arange(cache_position.shape[0], device=device)).all()) \
+                and cache_position.shape[0] - length == cache.get_seq_length():
+            # the seeds' Gemma 2 example passes arange(whole sequence) with only its unseen last tokens
+            cache_position = cache_position[-length:]
         if cache_position.dim() != 1 or cache_position.shape[0] != length:
             raise ValueError(
                 f"cache_position must be 1-D with one entry per new token ({length}); got shape "

@@ -43,6 +43,19 @@ def eager_blocks():
         _eager_depth -= 1
 
 
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the strides of a fresh contiguous tensor (a view such as ``x[:, -1:]`` of a prefill's
+    hidden states has others, which would compile a second graph)."""
+    stride, expected = t.stride(), []
+    step = 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= size
+    if list(stride) == expected[::-1]:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def decode_block(fn):
     """Decorate ``fn(module, x, *tensors)``, where ``x`` is (B, T, hidden), as a compiled decode block.
 
@@ -62,6 +75,7 @@ def decode_block(fn):
             return fn(module, x, *args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False)
+        x, *args = (_canonical(a) if isinstance(a, torch.Tensor) else a for a in (x, *args))
         try:
             return compiled(module, x, *args)
         except torch._dynamo.exc.BackendCompilerFailed as error:  # e.g. no C++ compiler on this machine
