@@ -45,6 +45,7 @@ import torch
 
 from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
 from kvgen.cache.registry import register_cache
+from kvgen.cache.static import repeat_batch_rows, select_batch_rows
 from kvgen.rope import apply_rotary
 
 
@@ -308,22 +309,10 @@ class SinkLayer(CacheLayer):
         self._seen.fill_(max(max_length, 0))
 
     def batch_select_indices(self, indices):
-        if self._k is not None:
-            indices = indices.to(self._k.device)
-            if indices.shape[0] == self._k.shape[0]:  # keep the buffers (compiled graphs hold them)
-                for buf in (self._k, self._v, self._raw):
-                    buf.copy_(buf.index_select(0, indices))
-            else:
-                self._k, self._v, self._raw = (buf.index_select(0, indices) for buf in (self._k, self._v, self._raw))
-        if self.batch_size is not None:
-            self.batch_size = indices.shape[0]
+        select_batch_rows(self, ("_k", "_v", "_raw"), indices)
 
     def batch_repeat_interleave(self, repeats):
-        if self._k is not None:
-            self._k, self._v, self._raw = (buf.repeat_interleave(repeats, dim=0)
-                                           for buf in (self._k, self._v, self._raw))
-        if self.batch_size is not None:
-            self.batch_size *= repeats
+        repeat_batch_rows(self, ("_k", "_v", "_raw"), repeats)
 
     def nbytes(self):
         if self._k is None:

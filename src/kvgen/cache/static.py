@@ -13,6 +13,32 @@ from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
 from kvgen.cache.registry import register_cache
 
 
+def select_batch_rows(layer, names: tuple[str, ...], indices: torch.Tensor) -> None:
+    """Keep (and reorder) batch rows ``indices`` of the preallocated buffers ``names`` of ``layer``.
+
+    Same batch size: rows are copied in place, so compiled graphs that hold the buffers stay valid.
+    """
+    buffers = [getattr(layer, name) for name in names]
+    if buffers[0] is not None:
+        indices = indices.to(buffers[0].device)
+        for name, buf in zip(names, buffers):
+            if indices.shape[0] == buf.shape[0]:
+                buf.copy_(buf.index_select(0, indices))
+            else:
+                setattr(layer, name, buf.index_select(0, indices))
+    if layer.batch_size is not None:
+        layer.batch_size = indices.shape[0]
+
+
+def repeat_batch_rows(layer, names: tuple[str, ...], repeats: int) -> None:
+    """Repeat every batch row of the buffers ``names`` of ``layer`` ``repeats`` times."""
+    if getattr(layer, names[0]) is not None:
+        for name in names:
+            setattr(layer, name, getattr(layer, name).repeat_interleave(repeats, dim=0))
+    if layer.batch_size is not None:
+        layer.batch_size *= repeats
+
+
 class StaticLayer(CacheLayer):
     """A layer with ``max_cache_len`` preallocated slots; slot ``i`` holds position ``i``.
 
@@ -106,21 +132,10 @@ class StaticLayer(CacheLayer):
             self._seen.fill_(max_length)
 
     def batch_select_indices(self, indices):
-        if self._k is not None:
-            indices = indices.to(self._k.device)
-            if indices.shape[0] == self._k.shape[0]:  # keep the buffers (compiled graphs hold them)
-                self._k.copy_(self._k.index_select(0, indices))
-                self._v.copy_(self._v.index_select(0, indices))
-            else:
-                self._k = self._k.index_select(0, indices)
-                self._v = self._v.index_select(0, indices)
+        select_batch_rows(self, ("_k", "_v"), indices)
 
     def batch_repeat_interleave(self, repeats):
-        if self._k is not None:
-            self._k = self._k.repeat_interleave(repeats, dim=0)
-            self._v = self._v.repeat_interleave(repeats, dim=0)
-        if self.batch_size is not None:
-            self.batch_size *= repeats
+        repeat_batch_rows(self, ("_k", "_v"), repeats)
 
     def nbytes(self):
         if self._k is None:

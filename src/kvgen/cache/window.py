@@ -18,7 +18,7 @@ import torch
 
 from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
 from kvgen.cache.registry import register_cache
-from kvgen.cache.static import StaticLayer
+from kvgen.cache.static import StaticLayer, repeat_batch_rows, select_batch_rows
 
 
 class SlidingWindowLayer(CacheLayer):
@@ -197,23 +197,10 @@ class SlidingWindowLayer(CacheLayer):
         self._seen.fill_(max_length)
 
     def batch_select_indices(self, indices):
-        if self._k is not None:
-            indices = indices.to(self._k.device)
-            if indices.shape[0] == self._k.shape[0]:  # keep the buffers (compiled graphs hold them)
-                self._k.copy_(self._k.index_select(0, indices))
-                self._v.copy_(self._v.index_select(0, indices))
-            else:
-                self._k = self._k.index_select(0, indices)
-                self._v = self._v.index_select(0, indices)
-        if self.batch_size is not None:
-            self.batch_size = indices.shape[0]
+        select_batch_rows(self, ("_k", "_v"), indices)
 
     def batch_repeat_interleave(self, repeats):
-        if self._k is not None:
-            self._k = self._k.repeat_interleave(repeats, dim=0)
-            self._v = self._v.repeat_interleave(repeats, dim=0)
-        if self.batch_size is not None:
-            self.batch_size *= repeats
+        repeat_batch_rows(self, ("_k", "_v"), repeats)
 
     def nbytes(self):
         if self._k is None:
