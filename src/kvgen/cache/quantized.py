@@ -479,6 +479,16 @@ class QuantizedCache(Cache):
         return self.workspace.nbytes()
 
 
+def _init_with_fixed_backend(self, config=None, nbits: int | None = None, axis_key: int | None = None,
+                             axis_value: int | None = None, q_group_size: int | None = None,
+                             residual_length: int | None = None, *, cache_config=None, compute_dtype=None,
+                             device=None, offloading: bool = False, offload_only_non_sliding: bool = False):
+    """The constructor of the one-backend classes: :class:`QuantizedCache`'s, less its ``backend`` argument."""
+    QuantizedCache.__init__(self, None, config, nbits, axis_key, axis_value, q_group_size, residual_length,
+                            cache_config=cache_config, compute_dtype=compute_dtype, device=device,
+                            offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+
+
 class QuantoQuantizedCache(QuantizedCache):
     """:class:`QuantizedCache` with the optimum-quanto backend (2 or 4 bits; ``pip install optimum-quanto``).
 
@@ -488,14 +498,7 @@ class QuantoQuantizedCache(QuantizedCache):
     """
 
     _backend = "quanto"
-
-    def __init__(self, config=None, nbits: int | None = None, axis_key: int | None = None,
-                 axis_value: int | None = None, q_group_size: int | None = None,
-                 residual_length: int | None = None, *, cache_config=None, compute_dtype=None, device=None,
-                 offloading: bool = False, offload_only_non_sliding: bool = False):
-        super().__init__(None, config, nbits, axis_key, axis_value, q_group_size, residual_length,
-                         cache_config=cache_config, compute_dtype=compute_dtype, device=device,
-                         offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+    __init__ = _init_with_fixed_backend
 
 
 class HQQQuantizedCache(QuantizedCache):
@@ -506,14 +509,7 @@ class HQQQuantizedCache(QuantizedCache):
     """
 
     _backend = "hqq"
-
-    def __init__(self, config=None, nbits: int | None = None, axis_key: int | None = None,
-                 axis_value: int | None = None, q_group_size: int | None = None,
-                 residual_length: int | None = None, *, cache_config=None, compute_dtype=None, device=None,
-                 offloading: bool = False, offload_only_non_sliding: bool = False):
-        super().__init__(None, config, nbits, axis_key, axis_value, q_group_size, residual_length,
-                         cache_config=cache_config, compute_dtype=compute_dtype, device=device,
-                         offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+    __init__ = _init_with_fixed_backend
 
 
 @register_cache("quantized")
