@@ -34,8 +34,31 @@ class CausalLMOutputWithPast(ModelOutput):
 
 
 @dataclass
+class BaseModelOutput(ModelOutput):
+    last_hidden_state: torch.Tensor | None = None
+
+
+@dataclass
+class Seq2SeqLMOutput(ModelOutput):
+    logits: torch.Tensor | None = None
+    past_key_values: Any = None
+    encoder_last_hidden_state: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+
+@dataclass
 class GenerateDecoderOnlyOutput(ModelOutput):
     sequences: torch.Tensor | None = None
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
+    past_key_values: Any = None
+
+
+@dataclass
+class GenerateBeamDecoderOnlyOutput(ModelOutput):
+    sequences: torch.Tensor | None = None
+    sequences_scores: torch.Tensor | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
+    beam_indices: torch.Tensor | None = None
     past_key_values: Any = None

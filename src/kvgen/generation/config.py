@@ -119,7 +119,19 @@ class GenerationConfig:
              f"repetition_penalty must be > 0, got {c.repetition_penalty}"),
             (c.num_return_sequences >= 1, "num_return_sequences must be >= 1"),
             (sampling or c.num_beams > 1 or c.num_return_sequences == 1,
-             "num_return_sequences > 1 needs do_sample=True (greedy decoding gives identical sequences)"),
+             "num_return_sequences > 1 needs do_sample=True or num_beams > 1 (greedy decoding gives identical "
+             "sequences)"),
+            (c.num_beams >= 1 and c.num_beam_groups >= 1, "num_beams and num_beam_groups must be >= 1"),
+            (c.num_beams == 1 or c.num_return_sequences <= c.num_beams,
+             f"num_return_sequences ({c.num_return_sequences}) must be <= num_beams ({c.num_beams})"),
+            (c.num_beams % c.num_beam_groups == 0,
+             f"num_beams ({c.num_beams}) must be a multiple of num_beam_groups ({c.num_beam_groups})"),
+            (c.num_beam_groups == 1 or c.diversity_penalty > 0,
+             "group beam search (num_beam_groups > 1) needs diversity_penalty > 0, or the groups are identical"),
+            (c.num_beam_groups > 1 or not c.diversity_penalty,
+             "diversity_penalty works between beam groups: set num_beam_groups > 1 (and num_beams a multiple of it)"),
+            (c.early_stopping in (True, False, "never"),
+             f"early_stopping must be True, False or 'never', got {c.early_stopping!r}"),
         ]
         for ok, message in checks:
             if not ok:

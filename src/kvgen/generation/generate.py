@@ -17,9 +17,9 @@ from kvgen.cache.dynamic import as_cache
 from kvgen.cache.registry import create_cache
 from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import build_processors
-from kvgen.generation.search import choose_next_tokens
+from kvgen.generation.search import BeamSearch, choose_next_tokens
 from kvgen.models.decode_blocks import blocks_compiled, eager_blocks
-from kvgen.outputs import GenerateDecoderOnlyOutput
+from kvgen.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 
 def _positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -68,13 +68,13 @@ class GenerationMixin:
     @torch.no_grad()
     def generate(self, inputs: torch.LongTensor | None = None, generation_config: GenerationConfig | None = None,
                  streamer=None, **kwargs):
-        """Generate tokens after ``input_ids`` (greedy or sampling), with any cache.
+        """Generate tokens after ``input_ids`` (greedy, sampling or beam search), with any cache.
 
         Keyword arguments are generation settings (see :class:`GenerationConfig`) and the
         model inputs ``input_ids``, ``attention_mask`` and ``past_key_values`` (a cache to
         fill or continue: only the tokens it has not seen are fed).
-        Returns the sequences (B, L + new), or a ``GenerateDecoderOnlyOutput`` with
-        ``return_dict_in_generate=True``.
+        Returns the sequences (B, L + new), or with ``return_dict_in_generate=True`` a
+        ``GenerateDecoderOnlyOutput`` (``GenerateBeamDecoderOnlyOutput`` with ``num_beams > 1``).
         """
         # precedence as in transformers: keyword arguments > a passed config > model.generation_config > defaults
         config = (generation_config or self.generation_config).copy().fill_unset(self.generation_config).fill_unset()
@@ -87,17 +87,15 @@ class GenerationMixin:
         if past_key_values is not None and "cache_implementation" in kwargs:
             raise ValueError("pass either past_key_values or cache_implementation, not both")
         config.validate()
-        if config.num_beams > 1 or config.num_beam_groups > 1:
-            raise NotImplementedError(
-                "beam search (num_beams > 1) is not available in this kvgen version; use greedy decoding or "
-                "do_sample=True"
-            )
+        beams = config.num_beams > 1
+        if beams and streamer is not None:
+            raise ValueError("a streamer cannot follow beam search (num_beams > 1): the best beam is known only at the end")
         if config.pad_token_id is None and config.eos_ids():
             config.pad_token_id = config.eos_ids()[0]
 
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
         cache, legacy_in = as_cache(past_key_values)
-        if config.num_return_sequences > 1:
+        if config.num_return_sequences > 1 and not beams:  # (beam search returns its best beams instead)
             n = config.num_return_sequences
             input_ids = input_ids.repeat_interleave(n, dim=0)
             attention_mask = attention_mask.repeat_interleave(n, dim=0)
@@ -113,12 +111,20 @@ class GenerationMixin:
         seen = 0 if cache is None else _reusable_prefix(cache, input_ids, max_length)
 
         with eager_blocks() if config.disable_compile else contextlib.nullcontext():
-            sequences, scores, logits = self._decode(input_ids, attention_mask, cache, seen, config, max_length,
-                                                     streamer)
+            if beams:
+                sequences, scores, logits, search = self._beam_decode(input_ids, attention_mask, cache, seen, config,
+                                                                      max_length)
+            else:
+                sequences, scores, logits = self._decode(input_ids, attention_mask, cache, seen, config, max_length,
+                                                         streamer)
         if not config.return_dict_in_generate:
             return sequences
         if cache is not None and (config.return_legacy_cache or legacy_in):
             cache = cache.to_legacy_cache()
+        if beams:
+            return GenerateBeamDecoderOnlyOutput(
+                sequences=sequences, sequences_scores=search.sequences_scores if config.output_scores else None,
+                scores=scores, logits=logits, beam_indices=search.sequence_beam_indices, past_key_values=cache)
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache)
 
     def _prompt_inputs(self, input_ids, attention_mask, config: GenerationConfig):
@@ -169,14 +175,7 @@ class GenerationMixin:
         step = self._decode_step(cache, config, batch)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        if cache is None:
-            logits = self(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False, logits_to_keep=1).logits
-        else:
-            logits = self(input_ids[:, seen:], attention_mask=attention_mask, position_ids=position_ids[:, seen:],
-                          past_key_values=cache, cache_position=torch.arange(seen, prompt_length,
-                                                                             device=input_ids.device),
-                          use_cache=True, logits_to_keep=1).logits
+        logits = self._prefill(input_ids, attention_mask, position_ids, cache, seen)
         while True:
             raw = logits[:, -1, :].float()
             scores = raw
@@ -205,6 +204,61 @@ class GenerationMixin:
             cache.token_ids = input_ids[:, : cache.get_seq_length()]
         return (input_ids, tuple(scores_out) if config.output_scores else None,
                 tuple(logits_out) if config.output_logits else None)
+
+    def _prefill(self, input_ids, attention_mask, position_ids, cache: Cache | None, seen: int) -> torch.Tensor:
+        """Logits (B, 1, V) after the prompt, feeding the cache the ``input_ids`` it has not seen (from ``seen``)."""
+        if cache is None:
+            return self(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False, logits_to_keep=1).logits
+        return self(input_ids[:, seen:], attention_mask=attention_mask, position_ids=position_ids[:, seen:],
+                    past_key_values=cache, cache_position=torch.arange(seen, input_ids.shape[1], device=input_ids.device),
+                    use_cache=True, logits_to_keep=1).logits
+
+    def _beam_decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int):
+        """Beam search: the prompt is prefilled once per item, then its cache is repeated for the beams.
+
+        Every step ranks the beams' continuations (:class:`BeamSearch`) and reorders the cache rows
+        to follow the surviving beams, for every cache type alike (``reorder_cache``).
+        """
+        batch, prompt_length = input_ids.shape
+        n = config.num_beams
+        search = BeamSearch(batch=batch, num_beams=n, prompt_length=prompt_length, max_length=max_length,
+                            eos_ids=config.eos_ids(), pad_id=config.pad_token_id,
+                            num_beam_groups=config.num_beam_groups, diversity_penalty=config.diversity_penalty,
+                            length_penalty=config.length_penalty, early_stopping=config.early_stopping,
+                            do_sample=config.do_sample)
+        processors = build_processors(config, prompt_length)
+        position_ids = _positions_from_mask(attention_mask)
+        logits = self._prefill(input_ids, attention_mask, position_ids, cache, seen).repeat_interleave(n, dim=0)
+        input_ids, attention_mask, position_ids = (t.repeat_interleave(n, dim=0)
+                                                   for t in (input_ids, attention_mask, position_ids))
+        if cache is not None:
+            cache.batch_repeat_interleave(n)
+        step = self._decode_step(cache, config, batch * n)
+        scores_out, logits_out = [], []
+        while True:
+            raw = logits[:, -1, :].float()
+            log_probs = torch.log_softmax(raw, dim=-1)
+            for processor in processors:
+                log_probs = processor(input_ids, log_probs)
+            rows, next_tokens = search.step(input_ids, log_probs)
+            if config.output_scores:
+                scores_out.append(search.processed_scores)
+            if config.output_logits:
+                logits_out.append(raw)
+            input_ids = torch.cat([input_ids[rows], next_tokens[:, None]], dim=-1)
+            if cache is not None:
+                cache.reorder_cache(rows)
+            if input_ids.shape[1] >= max_length or search.is_done:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch * n, 1)], dim=-1)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + 1], dim=-1)
+            logits = step(input_ids, attention_mask, position_ids)
+        if cache is not None:  # the rows follow the running beams (not the returned sequences)
+            cache.token_ids = input_ids[:, : cache.get_seq_length()]
+        sequences = search.finalize(input_ids, config.num_return_sequences)
+        return (sequences, tuple(scores_out) if config.output_scores else None,
+                tuple(logits_out) if config.output_logits else None, search)
 
     def _decode_step(self, cache: Cache | None, config: GenerationConfig, batch: int):
         """A function (input_ids, attention_mask, position_ids) -> logits (B, 1, V) for the newest token."""
