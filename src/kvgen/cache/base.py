@@ -237,6 +237,17 @@ class Cache:
         if self.token_ids is not None:
             self.token_ids = self.token_ids.repeat_interleave(repeats, dim=0)
 
+    def fork(self, n: int) -> list["Cache"]:
+        """``n`` caches that share this cache's tokens without copying them (copy-on-write).
+
+        Each can be passed as ``past_key_values`` for a different continuation; this cache
+        keeps working too. Growing and preallocated layers can be forked (see
+        :mod:`kvgen.cache.fork`); other kinds raise a clear error.
+        """
+        from kvgen.cache.fork import fork_cache  # (fork.py imports this module)
+
+        return fork_cache(self, n)
+
     # -- legacy views ------------------------------------------------------------------------------
     def to_legacy_cache(self) -> LegacyCache:
         """The stored keys/values as a tuple of ``(key, value)`` pairs, one per layer."""

@@ -13,11 +13,11 @@ import torch
 from kvgen.cache.base import Cache, CacheLayer, LegacyCache, config_value, text_config
 from kvgen.cache.registry import register_cache
 
-_ROUND = 128  # slots are allocated in multiples of this
+_ROUND = 128  # slots are allocated in multiples of this (by default)
 
 
-def _round_up(n: int) -> int:
-    return -(-n // _ROUND) * _ROUND
+def _round_up(n: int, step: int = _ROUND) -> int:
+    return -(-n // step) * step
 
 
 class DynamicLayer(CacheLayer):
@@ -27,7 +27,8 @@ class DynamicLayer(CacheLayer):
     absolute position ``_seen - (_end - i)``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, granularity: int = _ROUND) -> None:
+        self.granularity = granularity  # slots are allocated in multiples of this (forks use small ones)
         self._k: torch.Tensor | None = None  # (B, H, capacity, D)
         self._v: torch.Tensor | None = None
         self._start = 0
@@ -46,7 +47,7 @@ class DynamicLayer(CacheLayer):
             self._k[:, :, :live] = self._k[:, :, self._start:self._end]
             self._v[:, :, :live] = self._v[:, :, self._start:self._end]
         else:
-            new_capacity = _round_up(max(live + extra, capacity * 3 // 2))
+            new_capacity = _round_up(max(live + extra, capacity * 3 // 2), self.granularity)
             k = self._k.new_empty(*self._k.shape[:2], new_capacity, self._k.shape[3])
             v = self._v.new_empty(*self._v.shape[:2], new_capacity, self._v.shape[3])
             k[:, :, :live] = self._k[:, :, self._start:self._end]
@@ -58,8 +59,9 @@ class DynamicLayer(CacheLayer):
         t = key.shape[2]
         if self._k is None:
             b, h, _, d = key.shape
-            self._k = key.new_empty(b, h, _round_up(t + 1), d)
-            self._v = value.new_empty(value.shape[0], value.shape[1], _round_up(t + 1), value.shape[3])
+            capacity = _round_up(t + 1, self.granularity)
+            self._k = key.new_empty(b, h, capacity, d)
+            self._v = value.new_empty(value.shape[0], value.shape[1], capacity, value.shape[3])
         elif key.shape[0] != self._k.shape[0] or key.shape[1] != self._k.shape[1]:
             raise ValueError(
                 f"new keys have batch {key.shape[0]} and {key.shape[1]} heads but the cache holds batch "

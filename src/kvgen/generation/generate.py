@@ -14,6 +14,7 @@ import torch
 
 from kvgen.cache.base import Cache
 from kvgen.cache.dynamic import as_cache
+from kvgen.cache.fork import repeat_rows as repeat_cache_rows
 from kvgen.cache.registry import create_cache
 from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import build_processors
@@ -62,6 +63,18 @@ def _reusable_prefix(cache: Cache, input_ids: torch.Tensor, max_length: int) -> 
     return seen
 
 
+def _repeat_rows(n: int, cache: Cache | None, *rows: torch.Tensor):
+    """Each prompt row repeated ``n`` times (beams, returned sequences) after one prefill.
+
+    The cache's rows share the prompt's storage where its layers allow (:mod:`kvgen.cache.fork`).
+    """
+    if n == 1:
+        return rows
+    if cache is not None:
+        repeat_cache_rows(cache, n)
+    return tuple(t.repeat_interleave(n, dim=0) for t in rows)
+
+
 class GenerationMixin:
     """Adds ``generate()`` to a causal language model."""
 
@@ -95,12 +108,6 @@ class GenerationMixin:
 
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
         cache, legacy_in = as_cache(past_key_values)
-        if config.num_return_sequences > 1 and not beams:  # (beam search returns its best beams instead)
-            n = config.num_return_sequences
-            input_ids = input_ids.repeat_interleave(n, dim=0)
-            attention_mask = attention_mask.repeat_interleave(n, dim=0)
-            if cache is not None and cache.get_seq_length() > 0:
-                cache.batch_repeat_interleave(n)
         max_length = self._max_length(config, input_ids.shape[1])
         if not config.use_cache:
             cache = None
@@ -166,16 +173,19 @@ class GenerationMixin:
     def _decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int,
                 streamer):
         """Prefill the unseen tokens, then choose and feed one token per step until EOS or ``max_length``."""
-        batch, prompt_length = input_ids.shape
+        prompt_length = input_ids.shape[1]
         processors = build_processors(config, prompt_length)
         position_ids = _positions_from_mask(attention_mask)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        logits = self._prefill(input_ids, attention_mask, position_ids, cache, seen)
+        logits, input_ids, attention_mask, position_ids = _repeat_rows(
+            config.num_return_sequences, cache, logits, input_ids, attention_mask, position_ids)
+        batch = input_ids.shape[0]
         eos = torch.tensor(config.eos_ids(), device=input_ids.device) if config.eos_ids() else None
         unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
         scores_out, logits_out = [], []
         step = self._decode_step(cache, config, batch)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        logits = self._prefill(input_ids, attention_mask, position_ids, cache, seen)
         while True:
             raw = logits[:, -1, :].float()
             scores = raw
@@ -229,11 +239,9 @@ class GenerationMixin:
                             do_sample=config.do_sample)
         processors = build_processors(config, prompt_length)
         position_ids = _positions_from_mask(attention_mask)
-        logits = self._prefill(input_ids, attention_mask, position_ids, cache, seen).repeat_interleave(n, dim=0)
-        input_ids, attention_mask, position_ids = (t.repeat_interleave(n, dim=0)
-                                                   for t in (input_ids, attention_mask, position_ids))
-        if cache is not None:
-            cache.batch_repeat_interleave(n)
+        logits = self._prefill(input_ids, attention_mask, position_ids, cache, seen)
+        logits, input_ids, attention_mask, position_ids = _repeat_rows(n, cache, logits, input_ids, attention_mask,
+                                                                       position_ids)
         step = self._decode_step(cache, config, batch * n)
         scores_out, logits_out = [], []
         while True:
