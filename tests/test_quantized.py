@@ -91,6 +91,11 @@ def test_kivi_keys_match_a_per_channel_reference(nbits):
     ref, step = ref_dequantized(per_channel(x, 32), 3, nbits)
     ref, step = ref.reshape(x.shape), step.expand(-1, -1, -1, 32, -1).reshape(x.shape)
     err = (got - x).abs()
+    if nbits == 2:  # 2-bit keys search a (clipped) range per channel with less squared error than min/max
+        by_group = lambda e: e.square().reshape(2, 3, 4, 32, 32).sum(3)  # noqa: E731  (B, H, groups, D)
+        assert (by_group(got - x) <= by_group(ref - x) * 1.01 + 1e-4).all()
+        assert by_group(got - x).sum() < by_group(ref - x).sum()
+        return
     assert (err <= 0.5 * step * 1.01 + 2e-3 * step.amax()).all()  # half a step, plus float16 scale rounding
     assert (got - ref).abs().max() <= step.max() * 1.01  # at most one code apart from the reference
     assert err.mean() <= (ref - x).abs().mean() * 1.05
@@ -524,3 +529,32 @@ def test_long_prompt_through_a_quantized_cache(smollm):
         got = model(input_ids=ids[:, -1:], past_key_values=cache).logits[0, -1].log_softmax(-1)
     kl = (ref.exp() * (ref - got)).sum()
     assert got.argmax() == ref.argmax() and kl < 0.05
+
+
+def test_two_bit_keys_search_their_range_and_values_keep_min_max():
+    """2-bit keys: per-channel ranges chosen by least squared error among shrunk ranges (never worse than
+    min/max); values keep the min/max range (clipping them cost more perplexity than it saved)."""
+    from kvgen.cache.quantizers import KEY_CLIP_RATIOS, minmax_quantize, scale_dtype
+
+    x = torch.randn(1, 2, 4, 32, 16, generator=torch.Generator().manual_seed(0))
+    x[..., 0, :] *= 8  # an outlier token in every group
+
+    def reconstruct(t, dim, ratios):
+        codes, scale, zero = minmax_quantize(t, dim, 2, scale_dtype(t.dtype), ratios)
+        return codes.float() * scale.float() + zero.float()
+
+    plain = (reconstruct(x, 3, (1.0,)) - x).square().sum(3)
+    searched = (reconstruct(x, 3, KEY_CLIP_RATIOS) - x).square().sum(3)
+    assert (searched <= plain + 1e-5).all() and searched.sum() < 0.8 * plain.sum()
+
+    layer = QuantizedLayer({"backend": "kivi", "nbits": 2, "q_group_size": 32, "residual_length": 32,
+                            "num_sink_tokens": 0})
+    keys = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(1))
+    values = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(2))
+    keys[:, :, 3] *= 8
+    layer.update(keys, values, torch.arange(64))
+    assert layer.quantized_length == 32
+    expected_keys = reconstruct(keys[:, :, :32].reshape(1, 2, 1, 32, 16), 3, KEY_CLIP_RATIOS).reshape(1, 2, 32, 16)
+    expected_values = reconstruct(values[:, :, :32].reshape(1, 2, 32, 1, 16), 4, (1.0,)).reshape(1, 2, 32, 16)
+    torch.testing.assert_close(layer.keys[:, :, :32], expected_keys)
+    torch.testing.assert_close(layer.values[:, :, :32], expected_values)

@@ -91,23 +91,41 @@ def unpacker(packed: torch.Tensor, out: torch.Tensor, nbits: int) -> Callable[[]
     return run
 
 
-def minmax_quantize(x: torch.Tensor, dim: int, nbits: int, sdtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+#: range shrink factors tried for 2-bit keys (see :func:`minmax_quantize`)
+KEY_CLIP_RATIOS = tuple(1 - 0.05 * i for i in range(11))
+
+
+def minmax_quantize(x: torch.Tensor, dim: int, nbits: int, sdtype: torch.dtype,
+                    clip_ratios: tuple[float, ...] = (1.0,)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization of ``x`` with one scale and zero point per slice along ``dim``.
 
     Returns ``(codes uint8 like x, scale, zero)`` with ``scale``/``zero`` reduced over ``dim``
     (kept as size 1) in ``sdtype``; ``x ~= codes * scale + zero``. Codes are computed with the
     rounded 16-bit scale and zero point, so dequantization sees exactly what was quantized.
+    With several ``clip_ratios``, each slice's range is shrunk about its middle by each ratio
+    and the one with the least squared error is kept (outliers clip, the rest get finer steps).
     """
     qmax = (1 << nbits) - 1
     x = x.float()
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    scale = ((hi - lo) / qmax).to(sdtype)
-    zero = lo.to(sdtype)
-    s = scale.float()
-    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # constant group: every code 0, value = zero
-    codes = ((x - zero.float()) * inv).round_().clamp_(0, qmax).to(torch.uint8)
-    return codes, scale, zero
+    mid = (lo + hi) / 2
+    best = None
+    for ratio in clip_ratios:
+        low = lo if ratio == 1.0 else mid - (mid - lo) * ratio
+        scale = ((hi - lo) / qmax if ratio == 1.0 else (hi - lo) * (ratio / qmax)).to(sdtype)
+        zero = low.to(sdtype)
+        s = scale.float()
+        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # constant group: every code 0, value = zero
+        codes = ((x - zero.float()) * inv).round_().clamp_(0, qmax)
+        if len(clip_ratios) == 1:
+            return codes.to(torch.uint8), scale, zero
+        error = (codes * s + zero.float() - x).square_().sum(dim, keepdim=True)
+        if best is None:
+            best = [error, codes, scale, zero]
+        else:
+            better = error < best[0]
+            best = [torch.where(better, new, old) for new, old in zip((error, codes, scale, zero), best)]
+    return best[1].to(torch.uint8), best[2], best[3]
 
 
 def _grow(t: torch.Tensor | None, dim: int, needed: int, unit: int) -> torch.Tensor:
@@ -161,7 +179,10 @@ class KiviStore:
             raise ValueError(f"KiviStore.append takes whole blocks of {g} tokens, got {n}")
         sdtype = scale_dtype(x.dtype)
         if self.per_channel:
-            codes, scale, zero = minmax_quantize(x.reshape(b, h, k, g, d), 3, self.nbits, sdtype)
+            # 2-bit keys: per-channel ranges searched for the least error (values keep min/max: clipping
+            # their outliers costs more than it saves, measured on SmolLM2 + KJV)
+            ratios = KEY_CLIP_RATIOS if self.nbits == 2 else (1.0,)
+            codes, scale, zero = minmax_quantize(x.reshape(b, h, k, g, d), 3, self.nbits, sdtype, ratios)
             scale, zero = scale.squeeze(3), zero.squeeze(3)  # (B, H, k, D)
             self._ensure(b, h, d, k, sdtype, x.device, scale_rows=k, scale_cols=d)
             rows = slice(self.blocks, self.blocks + k)
