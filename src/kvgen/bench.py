@@ -39,6 +39,9 @@ def other_cpu_use(seconds: float = 0.5) -> float:
 
 #: caches that take ``--cache-config`` (the others ignore it)
 CONFIGURED_CACHES = ("quantized", "sink")
+#: models whose decode traffic is not the Llama formula's: their roofline uses the weights kvgen
+#: loaded and the cache bytes measured (Mamba states, Jamba's hybrid layers, Whisper's two halves)
+SPECIAL_MODEL_TYPES = ("mamba", "jamba", "whisper")
 
 
 def memory_bandwidth(threads: int, megabytes: int = 256) -> dict[str, float]:
@@ -62,7 +65,10 @@ def memory_bandwidth(threads: int, megabytes: int = 256) -> dict[str, float]:
 
 
 def decode_bytes_per_step(config: dict, batch: int, context: float, dtype_bytes: int = 4) -> tuple[int, int]:
-    """(weight bytes, KV bytes) read by one decode step of a Llama-family model."""
+    """(weight bytes, KV bytes) read by one decode step of a Llama-family model (``None, None`` for others)."""
+    if "intermediate_size" not in config or "num_attention_heads" not in config or \
+            config.get("model_type") in SPECIAL_MODEL_TYPES:
+        return None, None
     h, i, n = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     head_dim = config.get("head_dim") or h // heads
@@ -93,8 +99,10 @@ def cache_bytes(cache) -> int | None:
         return None
     if hasattr(cache, "nbytes"):
         return cache.nbytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
-               if t is not None)
+    halves = [getattr(cache, name) for name in ("self_attention_cache", "cross_attention_cache") if hasattr(cache, name)]
+    layers = [layer for part in (halves or [cache]) for layer in getattr(part, "layers", [])]
+    return sum(t.numel() * t.element_size() for layer in layers for t in vars(layer).values()
+               if isinstance(t, torch.Tensor)) or None
 
 
 # -- the worker (one configuration, one process) ------------------------------------------------------
@@ -111,11 +119,57 @@ class _Clock:
         pass
 
 
+def _weight_bytes(model) -> int:
+    """Bytes of a model's distinct parameters (tied ones once)."""
+    return sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
+
+
+def _speech_worker(spec: dict) -> dict:
+    """Whisper: the encoder runs once on a 30 s clip of noise, then ``new_tokens`` decoder steps."""
+    from kvgen.audio import WhisperFeatureExtractor
+
+    impl, cache_name, batch, new = spec["impl"], spec["cache"], spec["batch"], spec["new_tokens"]
+    audio = torch.randn(batch, 16000 * 30, generator=torch.Generator().manual_seed(0)) * 0.1
+    features = WhisperFeatureExtractor()(list(audio), sampling_rate=16000).input_features  # (B, 80, 3000)
+    start = time.perf_counter()
+    if impl == "kvgen":
+        import kvgen
+
+        model = kvgen.AutoModelForSpeechSeq2Seq.from_pretrained(spec["model"], dtype=torch.float32)
+    else:
+        import transformers
+
+        from kvgen.loading.ctranslate2 import is_ctranslate2_dir, load_ctranslate2_whisper
+
+        if is_ctranslate2_dir(spec["model"]):  # transformers cannot read it: the same weights, converted
+            config, state_dict, _ = load_ctranslate2_whisper(spec["model"])
+            model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**config))
+            model.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=False)
+        else:
+            model = transformers.WhisperForConditionalGeneration.from_pretrained(spec["model"], dtype=torch.float32)
+        model = model.float().eval()
+    load_s = time.perf_counter() - start
+
+    def run(n):
+        clock = _Clock()
+        kwargs = {} if cache_name == "dynamic" else {"cache_implementation": cache_name}
+        with torch.no_grad():
+            out = model.generate(features, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=clock,
+                                 return_dict_in_generate=True, **kwargs)
+        return clock, out.past_key_values
+
+    run(new)  # warm-up with the measured shapes (a static cache's size depends on them)
+    return _timed(spec, lambda: run(new), load_s, _weight_bytes(model))
+
+
 def _worker(spec: dict) -> dict:
     torch.set_num_threads(spec["threads"])
+    config = json.loads((Path(spec["model"]) / "config.json").read_text())
+    if config.get("model_type") == "whisper" or (Path(spec["model"]) / "model.bin").is_file():
+        return _speech_worker(spec)
     impl, cache_name = spec["impl"], spec["cache"]
     batch, prompt, new = spec["batch"], spec["prompt"], spec["new_tokens"]
-    vocab = json.loads((Path(spec["model"]) / "config.json").read_text())["vocab_size"]  # small test models too
+    vocab = config["vocab_size"]  # small test models too
     ids = torch.randint(10, min(40000, vocab), (batch, prompt), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     if impl == "kvgen":
@@ -163,18 +217,24 @@ def _worker(spec: dict) -> dict:
         return clock, out.past_key_values
 
     run(8, 4)  # warm-up: compiles the static decode step for these shapes
+    return _timed(spec, lambda: run(prompt, new), load_s, _weight_bytes(model))
+
+
+def _timed(spec: dict, run, load_s: float, weight_bytes: int) -> dict:
+    """Measure ``run()`` (-> streamer clock, cache) after the warm-up, with bandwidth and peak memory."""
     peak_before = peak_rss_mb()  # loading and warm-up
     bandwidth = memory_bandwidth(spec["threads"])  # the host drifts: measure right next to the decode
     reset_peak_rss()  # forget the bandwidth probe's buffers
-    clock, cache = run(prompt, new)
+    clock, cache = run()
     decode_seconds = clock.stamps[-1] - clock.stamps[1]
     return {
         "bandwidth_bytes_s": bandwidth,
         "load_s": load_s,
         "prefill_s": clock.stamps[1] - clock.start,
-        "decode_tok_s": batch * (len(clock.stamps) - 2) / decode_seconds,
+        "decode_tok_s": spec["batch"] * (len(clock.stamps) - 2) / decode_seconds,
         "peak_rss_mb": max(peak_before, peak_rss_mb()),
         "cache_bytes": cache_bytes(cache),
+        "weight_bytes": weight_bytes,
     }
 
 
@@ -211,8 +271,11 @@ def run_bench(args) -> int:
                     result = _measure(spec)
                     context = prompt + args.new_tokens if cache_name == "static" else prompt + args.new_tokens / 2
                     weights, kv = decode_bytes_per_step(config, batch, context)
-                    if cache_name == "quantized" and result.get("cache_bytes"):  # what the codes really take
+                    if weights is None:  # not a Llama-family model: what was loaded and what the cache holds
+                        weights = result.get("weight_bytes") or float("nan")
+                    if (cache_name == "quantized" or kv is None) and result.get("cache_bytes"):  # measured
                         kv = result["cache_bytes"] * context / (prompt + args.new_tokens)
+                    kv = kv or 0
                     bandwidth = result.get("bandwidth_bytes_s", {}).get("copy", float("nan"))
                     roofline = batch * bandwidth / (weights + kv)
                     row = {**spec, **result, "other_cpu_cores_busy": round(busy, 3), "roofline_tok_s": roofline,

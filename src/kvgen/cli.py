@@ -1,16 +1,19 @@
-"""The ``kvgen`` command: ``generate`` (the main job), ``chat`` and ``bench``.
+"""The ``kvgen`` command: ``generate`` (the main job), ``chat``, ``transcribe`` and ``bench``.
 
     kvgen generate                        # default model, default prompt, stats line
     kvgen generate "The sea" --cache static --max-new-tokens 50 --stream
     kvgen chat                            # multi-turn chat on one cache
+    kvgen transcribe speech.wav           # Whisper (packaged tiny.en unless --model)
     kvgen bench                           # kvgen vs transformers side by side
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from pathlib import Path
 
 DEFAULT_PROMPT = "Once upon a time, there was a little"
 
@@ -101,14 +104,33 @@ def cmd_generate(args) -> int:
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
     prompt_tokens = inputs["input_ids"].shape[1]
-    cache = _make_cache(model, args.cache, args.cache_config, prompt_tokens + args.max_new_tokens)
-    clock = _Clock(tokenizer if args.stream else None)
+    clock = _Clock(tokenizer if args.stream else None)  # (time to first token includes loading a prompt cache)
+    prompt_cache = Path(args.prompt_cache) if args.prompt_cache else None
+    reused = 0
+    if prompt_cache is not None and prompt_cache.exists():
+        from kvgen.cache.persist import load_cache
+
+        cache = load_cache(prompt_cache, model=model)
+        reused = min(cache.common_prefix_length(inputs["input_ids"]), prompt_tokens - 1)
+    else:
+        cache = _make_cache(model, args.cache, args.cache_config, prompt_tokens + args.max_new_tokens)
     out = model.generate(**inputs.to(model.device), past_key_values=cache, max_new_tokens=args.max_new_tokens,
                          do_sample=args.do_sample, temperature=args.temperature, streamer=clock)
     new = out[0, prompt_tokens:]
     if not args.stream:
         print(tokenizer.decode(new, skip_special_tokens=True))
     print(_stats_line(cache, prompt_tokens, new.shape[0], clock))
+    if prompt_cache is not None:
+        saved = not prompt_cache.exists()
+        if saved:  # first use: keep the prompt's keys and values (not the reply's) for later runs
+            try:
+                cache.crop(prompt_tokens)
+            except ValueError as e:
+                raise SystemExit(f"kvgen generate: --prompt-cache cannot keep this {type(cache).__name__}'s prompt "
+                                 f"({e}); use a cache that can be cropped, e.g. --cache dynamic") from None
+            cache.save(prompt_cache, model=model)
+        print(f"[kvgen] prompt_cache={'saved' if saved else 'loaded'} reused_tokens={reused} "
+              f"time_to_first_token_s={clock.prefill_seconds():.3f}")
     return 0
 
 
@@ -121,15 +143,35 @@ def chat_turn(model, tokenizer, cache, messages: list[dict], max_new_tokens: int
     """
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True).to(model.device)
+    capacity = cache.get_max_length()
+    continues = cache.common_prefix_length(inputs["input_ids"]) >= cache.get_seq_length()
+    if capacity is not None and not continues and inputs["input_ids"].shape[1] > capacity:
+        # the cache starts afresh from a conversation longer than it holds: keep its most recent
+        # tokens, as the seeds do for the sink cache
+        inputs = {k: v[:, -capacity:] for k, v in inputs.items()}
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, do_sample=False,
                          streamer=streamer)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
+def _messages_file(path: Path) -> Path:
+    return path.with_name(path.name + ".messages.json")
+
+
 def cmd_chat(args) -> int:
     model, tokenizer = load(args.model, args.dtype)
-    cache = _make_cache(model, args.cache, args.cache_config, args.max_cache_len)
-    messages: list[dict] = []
+    if args.load:
+        from kvgen.cache.persist import load_cache
+
+        path = Path(args.load)
+        if not _messages_file(path).exists():
+            raise SystemExit(f"kvgen chat: {_messages_file(path)} is missing; --load takes a file written by --save")
+        cache = load_cache(path, model=model)
+        messages = json.loads(_messages_file(path).read_text(encoding="utf-8"))
+        print(f"[kvgen] loaded {len(messages)} messages, cache_tokens={cache.get_seq_length()}", file=sys.stderr)
+    else:
+        cache = _make_cache(model, args.cache, args.cache_config, args.max_cache_len)
+        messages = []
     print("kvgen chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
@@ -142,8 +184,18 @@ def cmd_chat(args) -> int:
         clock = _Clock(tokenizer)
         reply = chat_turn(model, tokenizer, cache, messages, args.max_new_tokens, clock)
         messages.append({"role": "assistant", "content": reply})
+        if args.save:  # after every turn, so an interrupted chat can be resumed with --load
+            cache.save(args.save, model=model)
+            _messages_file(Path(args.save)).write_text(json.dumps(messages, ensure_ascii=False), encoding="utf-8")
         print(f"[kvgen] cache_tokens={cache.get_seq_length()} cache_bytes={cache.nbytes()} "
               f"decode_tok_per_s={clock.decode_tokens_per_second():.2f}", file=sys.stderr)
+    return 0
+
+
+def cmd_transcribe(args) -> int:
+    from kvgen.transcribe import transcribe
+
+    print(transcribe(args.audio, args.model, device=args.device, max_new_tokens=args.max_new_tokens))
     return 0
 
 
@@ -174,13 +226,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help="print tokens as they come")
     g.add_argument("--do-sample", action="store_true")
     g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--prompt-cache", metavar="FILE",
+                   help="reuse the keys/values of a prompt prefix across runs: saved to FILE on first use, loaded "
+                        "later when the prompt starts with the same tokens (the file's cache type wins over --cache)")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat that reuses one cache across turns")
     common(c)
     c.set_defaults(max_new_tokens=256)
     c.add_argument("--max-cache-len", type=int, default=4096, help="slots for preallocated caches")
+    c.add_argument("--save", metavar="FILE", help="write the conversation's cache to FILE (and its messages to "
+                                                   "FILE.messages.json) after every turn")
+    c.add_argument("--load", metavar="FILE", help="resume a conversation written with --save")
     c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("transcribe", help="print the transcript of a WAV file (Whisper)")
+    t.add_argument("audio", help="PCM WAV file, any sampling rate, mono or stereo")
+    t.add_argument("--model", help="Whisper folder: Hugging Face or CTranslate2 (default: packaged tiny.en)")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--max-new-tokens", type=int, default=224, help="tokens per 30-second window")
+    t.set_defaults(func=cmd_transcribe)
 
     b = sub.add_parser("bench", help="kvgen and transformers side by side")
     b.add_argument("--model", help="HF folder (default: packaged SmolLM2-135M-Instruct, float32)")

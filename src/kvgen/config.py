@@ -35,6 +35,26 @@ _FAMILY_DEFAULTS["gemma2"] = {**_GEMMA_DEFAULTS, "rope_theta": 10000.0, "max_pos
 _FAMILY_DEFAULTS["gemma3_text"] = {**_GEMMA_DEFAULTS, "rope_theta": 1_000_000.0, "max_position_embeddings": 131_072,
                                    "final_logit_softcapping": None, "attn_logit_softcapping": None,
                                    "rope_local_base_freq": 10000.0, "sliding_window_pattern": 6}
+# Whisper: transformers' WhisperConfig defaults (the sizes of whisper-tiny).
+_FAMILY_DEFAULTS["whisper"] = {
+    "vocab_size": 51865, "num_mel_bins": 80, "d_model": 384, "encoder_layers": 4, "decoder_layers": 4,
+    "encoder_attention_heads": 6, "decoder_attention_heads": 6, "encoder_ffn_dim": 1536, "decoder_ffn_dim": 1536,
+    "activation_function": "gelu", "max_source_positions": 1500, "max_target_positions": 448,
+    "decoder_start_token_id": 50257, "pad_token_id": 50256, "bos_token_id": 50256, "eos_token_id": 50256,
+    "begin_suppress_tokens": [220, 50256], "tie_word_embeddings": True, "is_encoder_decoder": True,
+}
+# Mamba and Jamba: transformers' MambaConfig / JambaConfig defaults (no position limit: Mamba has no positions).
+_FAMILY_DEFAULTS["mamba"] = {
+    "layer_norm_epsilon": 1e-5, "state_size": 16, "expand": 2, "conv_kernel": 4, "use_bias": False,
+    "use_conv_bias": True, "residual_in_fp32": True, "time_step_rank": "auto", "tie_word_embeddings": True,
+    "pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0, "max_position_embeddings": None,
+}
+_FAMILY_DEFAULTS["jamba"] = {
+    "rms_norm_eps": 1e-6, "attn_layer_period": 8, "attn_layer_offset": 4, "expert_layer_period": 2,
+    "expert_layer_offset": 1, "num_experts": 16, "num_experts_per_tok": 2, "mamba_d_state": 16, "mamba_d_conv": 4,
+    "mamba_expand": 2, "mamba_dt_rank": "auto", "mamba_conv_bias": True, "mamba_proj_bias": False,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "max_position_embeddings": 262144,
+}
 GEMMA3_TYPES = ("gemma3_text", "gemma3")  # "gemma3" is the multimodal wrapper; kvgen reads its text part
 _FAMILY_DEFAULTS["gemma3"] = _FAMILY_DEFAULTS["gemma3_text"]
 
@@ -54,6 +74,11 @@ class PretrainedConfig:
         for key, value in _FAMILY_DEFAULTS.get(model_type, {}).items():
             kwargs.setdefault(key, value)
         kwargs.setdefault("model_type", model_type)
+        if model_type == "whisper":  # the decoder's sizes under the names caches read (transformers aliases them)
+            for name, source in (("hidden_size", "d_model"), ("num_attention_heads", "decoder_attention_heads"),
+                                 ("num_hidden_layers", "decoder_layers"),
+                                 ("max_position_embeddings", "max_target_positions")):
+                kwargs.setdefault(name, kwargs[source])
         kwargs.setdefault("tie_word_embeddings", False)
         kwargs.setdefault("max_position_embeddings", 2048)
         kwargs.setdefault("hidden_act", "silu")
@@ -119,6 +144,8 @@ class PretrainedConfig:
         if self.model_type in ("qwen2", "qwen3") and not getattr(self, "use_sliding_window", False):
             self.sliding_window = None
         window = getattr(self, "sliding_window", None)
+        if self.model_type in ("mamba", "jamba"):
+            self._mamba_layer_types(n)
         if getattr(self, "layer_types", None) is None and self.model_type in ("gemma2", *GEMMA3_TYPES):
             # Gemma 2 alternates sliding/global from layer 0; Gemma 3 makes every pattern-th layer global
             pattern = 2 if self.model_type == "gemma2" else self.sliding_window_pattern
@@ -134,6 +161,22 @@ class PretrainedConfig:
                 f"config.layer_types has {len(self.layer_types)} entries but num_hidden_layers is {n}; "
                 "give one entry per layer."
             )
+
+    def _mamba_layer_types(self, n: int) -> None:
+        """Mamba: every layer is "mamba"; Jamba: "full_attention" every ``attn_layer_period``-th layer from
+        ``attn_layer_offset``, "mamba" elsewhere (transformers' name "linear_attention" reads as "mamba")."""
+        if self.model_type == "jamba":
+            for what in ("attn", "expert"):
+                period, offset = getattr(self, f"{what}_layer_period"), getattr(self, f"{what}_layer_offset")
+                if not 0 <= offset < period:
+                    raise ValueError(f"{what}_layer_offset ({offset}) must be in [0, {what}_layer_period={period})")
+        if getattr(self, "layer_types", None) is None:
+            if self.model_type == "mamba":
+                self.layer_types = ["mamba"] * n
+            else:
+                period, offset = self.attn_layer_period, self.attn_layer_offset
+                self.layer_types = ["full_attention" if i % period == offset else "mamba" for i in range(n)]
+        self.layer_types = ["mamba" if kind == "linear_attention" else kind for kind in self.layer_types]
 
     # -- dict-like access --------------------------------------------------------------------------
     def get(self, name: str, default: Any = None) -> Any:

@@ -76,6 +76,20 @@ class CacheLayer:
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError
 
+    def read_ssm_states(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """State-space layers: ``(conv_state, ssm_state)``, ``(None, None)`` before the first token."""
+        raise TypeError(self._not_ssm())
+
+    def write_ssm_states(self, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                         cache_position: torch.Tensor) -> None:
+        """State-space layers: store the states reached after the tokens at ``cache_position``."""
+        raise TypeError(self._not_ssm())
+
+    def _not_ssm(self) -> str:
+        return (f"{type(self).__name__} holds attention keys and values, not the conv/SSM states of a Mamba "
+                "mixer: build the cache from the model's config (DynamicCache(config=model.config), "
+                "MambaCache(model.config, ...)) so that its Mamba layers get state-space layers")
+
     def nbytes(self) -> int:
         """Bytes allocated by this layer's tensors."""
         return 0
@@ -110,6 +124,9 @@ class Cache:
         (3, (1, 2, 3, 4))
     """
 
+    #: ``{"config": ..., "weights": ...}`` of the model that filled a loaded cache (see :mod:`kvgen.cache.persist`)
+    model_fingerprint: dict[str, str] | None = None
+
     def __init__(self, layers: list[CacheLayer] | None = None, layer_factory=None):
         self.layers: list[CacheLayer] = list(layers or [])
         self._layer_factory = layer_factory
@@ -143,6 +160,15 @@ class Cache:
 
     def key_positions(self, layer_idx: int, cache_position: torch.Tensor) -> torch.Tensor:
         return self.layer(layer_idx).key_positions(cache_position)
+
+    def read_ssm_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(conv_state, ssm_state)`` of state-space (Mamba) layer ``layer_idx``; ``(None, None)`` when it is empty."""
+        return self.layer(layer_idx).read_ssm_states()
+
+    def write_ssm_states(self, layer_idx: int, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                         cache_position: torch.Tensor) -> None:
+        """Store the states of state-space layer ``layer_idx`` after the new tokens at ``cache_position``."""
+        self.layer(layer_idx).write_ssm_states(conv_state, ssm_state, cache_position)
 
     def mask_group(self, layer_idx: int) -> tuple:
         """Layers in the same group share one attention mask for a given forward pass."""
@@ -248,6 +274,27 @@ class Cache:
 
         return fork_cache(self, n)
 
+    def share_rows(self, repeats: int) -> None:
+        """Like :meth:`batch_repeat_interleave`, but the repeated rows share storage where the layers allow."""
+        from kvgen.cache.fork import share_rows  # (fork.py imports this module)
+
+        share_rows(self, repeats)
+
+    # -- files -------------------------------------------------------------------------------------
+    def save(self, path, model=None) -> None:
+        """Write the cache to ``path`` (one safetensors file); ``kvgen.load_cache(path, model=model)`` reads it back.
+
+        ``model``: whose fingerprint to record (default: the model that last ran with the cache).
+        See :mod:`kvgen.cache.persist` for the format.
+
+        Example:
+            >>> cache.save("prompt.safetensors")                                  # doctest: +SKIP
+            >>> cache = kvgen.load_cache("prompt.safetensors", model=model)       # doctest: +SKIP
+        """
+        from kvgen.cache.persist import save_cache  # (persist.py imports this module)
+
+        save_cache(self, path, model=model)
+
     # -- legacy views ------------------------------------------------------------------------------
     def to_legacy_cache(self) -> LegacyCache:
         """The stored keys/values as a tuple of ``(key, value)`` pairs, one per layer."""
@@ -276,6 +323,16 @@ class Cache:
     @property
     def value_cache(self) -> list[torch.Tensor]:
         return [layer.values for layer in self.layers]
+
+    @property
+    def conv_states(self) -> list[torch.Tensor | None]:
+        """Conv state (B, d_inner, d_conv) of each state-space layer (``None`` for the other layers)."""
+        return [getattr(layer, "conv_state", None) for layer in self.layers]
+
+    @property
+    def ssm_states(self) -> list[torch.Tensor | None]:
+        """SSM state (B, d_inner, d_state) of each state-space layer (``None`` for the other layers)."""
+        return [getattr(layer, "ssm_state", None) for layer in self.layers]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(layers={len(self.layers)}, seq_length={self.get_seq_length()})"

@@ -27,6 +27,8 @@ class DynamicLayer(CacheLayer):
     absolute position ``_seen - (_end - i)``.
     """
 
+    granularity = _ROUND  # (class default: caches saved before this attribute existed load with it)
+
     def __init__(self, granularity: int = _ROUND) -> None:
         self.granularity = granularity  # slots are allocated in multiples of this (forks use small ones)
         self._k: torch.Tensor | None = None  # (B, H, capacity, D)
@@ -168,11 +170,17 @@ class DynamicSlidingWindowLayer(DynamicLayer):
         return self.sliding_window
 
 
+def new_dynamic_layer(layer_idx: int) -> DynamicLayer:
+    """Layer factory of a :class:`DynamicCache` built without a config (a named function, so it can be saved)."""
+    return DynamicLayer()
+
+
 class DynamicCache(Cache):
     """The default cache: every layer grows as tokens come.
 
     With ``config=model.config``, layers of sliding-window attention stop growing at
-    the window. Without a config, layers are created on first use.
+    the window and Mamba layers hold their fixed-size state (:class:`~kvgen.cache.ssm.SSMLayer`).
+    Without a config, layers are created on first use.
 
     Example:
         >>> from kvgen import AutoModelForCausalLM, DynamicCache  # doctest: +SKIP
@@ -187,16 +195,19 @@ class DynamicCache(Cache):
     def __init__(self, config=None, offloading: bool = False, offload_only_non_sliding: bool = False,
                  **unused_for_compatibility):
         if config is None:
-            super().__init__(layer_factory=lambda i: DynamicLayer())
+            super().__init__(layer_factory=new_dynamic_layer)
         else:
             config = text_config(config)
             layer_types = config_value(config, "layer_types") or []
             window = config_value(config, "sliding_window")
+            from kvgen.cache.ssm import SSM_LAYER_TYPES, ssm_layer  # (ssm.py imports this module)
+
             layers = [
-                DynamicSlidingWindowLayer(window) if kind == "sliding_attention" and window else DynamicLayer()
+                ssm_layer(config) if kind in SSM_LAYER_TYPES
+                else DynamicSlidingWindowLayer(window) if kind == "sliding_attention" and window else DynamicLayer()
                 for kind in layer_types
             ]
-            super().__init__(layers=layers, layer_factory=None if layers else (lambda i: DynamicLayer()))
+            super().__init__(layers=layers, layer_factory=None if layers else new_dynamic_layer)
         if offloading:
             from kvgen.cache.offload import enable_offloading  # (offload.py imports this module)
 

@@ -20,19 +20,37 @@ from typing import Callable
 import torch
 
 from kvgen.cache.base import Cache, CacheLayer
+from kvgen.cache.codec import register_persistable
 from kvgen.cache.dynamic import DynamicLayer
 from kvgen.cache.static import StaticLayer
 
-_FORK_GRANULARITY = 16  # slots
+_FORK_GRANULARITY = 16  # slots: a fork's own tokens are few
+
+
+@register_persistable
+class SuffixFactory:
+    """Builds the empty layer that holds a fork's own tokens after a prefix of ``P`` tokens.
+
+    ``static_len``: the preallocated layer's total slots (prefix included); ``None`` for a growing layer.
+    """
+
+    def __init__(self, static_len: int | None = None, num_heads=None, head_dim=None, device=None, dtype=None):
+        self.static_len, self.num_heads, self.head_dim, self.device, self.dtype = (
+            static_len, num_heads, head_dim, device, dtype)
+
+    def __call__(self, prefix_length: int) -> CacheLayer:
+        if self.static_len is None or self.static_len <= prefix_length:  # (a full layer, e.g. cross-attention,
+            return DynamicLayer(granularity=_FORK_GRANULARITY)            # gets none of its own)
+        return StaticLayer(self.static_len - prefix_length, None, self.num_heads, self.head_dim, self.device,
+                           self.dtype)
 
 
 def _suffix_factory(layer: CacheLayer) -> Callable[[int], CacheLayer] | None:
-    """How to build an empty layer of ``layer``'s kind for the tokens after a prefix of length P."""
-    if type(layer) is DynamicLayer:  # a fork's own tokens are few: small allocation steps
-        return lambda prefix_length: DynamicLayer(granularity=_FORK_GRANULARITY)
+    """How to build an empty layer of ``layer``'s kind for the tokens after a prefix; ``None``: not forkable."""
+    if type(layer) is DynamicLayer:
+        return SuffixFactory()
     if type(layer) is StaticLayer:
-        return lambda prefix_length: StaticLayer(layer.max_cache_len - prefix_length, None, layer.num_heads,
-                                                 layer.head_dim, layer.device, layer.dtype)
+        return SuffixFactory(layer.max_cache_len, layer.num_heads, layer.head_dim, layer.device, layer.dtype)
     if type(layer) is ForkedLayer:
         return layer._make_suffix
     return None
@@ -182,8 +200,8 @@ def can_share_rows(cache: Cache) -> bool:
                                       for layer in cache.layers)
 
 
-def repeat_rows(cache: Cache, repeats: int) -> None:
-    """Like ``cache.batch_repeat_interleave(repeats)``, but the repeated rows share storage when the layers allow."""
+def share_rows(cache: Cache, repeats: int) -> None:
+    """``cache.batch_repeat_interleave(repeats)``, but the repeated rows share storage when the layers allow."""
     if repeats == 1:
         return
     if not can_share_rows(cache):

@@ -169,14 +169,20 @@ class StaticCache(Cache):
             raise ValueError("StaticCache needs max_cache_len (the prompt plus the tokens to generate)")
         batch = max_batch_size or batch_size
         n_layers = config_value(config, "num_hidden_layers")
-        heads = config_value(config, "num_key_value_heads") or config_value(config, "num_attention_heads")
+        kinds = config_value(config, "layer_types") or ["full_attention"] * n_layers
+        attention_heads = config_value(config, "num_attention_heads")  # (None for a pure Mamba config)
+        heads = config_value(config, "num_key_value_heads") or attention_heads
         head_dim = config_value(config, "head_dim") or (
-            config_value(config, "hidden_size") // config_value(config, "num_attention_heads"))
+            config_value(config, "hidden_size") // attention_heads if attention_heads else None)
         self.max_cache_len = max_cache_len
         # offloaded buffers are preallocated on the offload device, not on the compute device
         layer_device = offload_device if offloading and None not in (batch, dtype) else device
-        super().__init__(layers=[StaticLayer(max_cache_len, batch, heads, head_dim, layer_device, dtype)
-                                 for _ in range(n_layers)])
+        from kvgen.cache.ssm import SSM_LAYER_TYPES, ssm_layer  # (ssm.py imports this module)
+
+        super().__init__(layers=[
+            ssm_layer(config, batch, dtype, device) if kind in SSM_LAYER_TYPES  # Mamba layers: fixed-size states
+            else StaticLayer(max_cache_len, batch, heads, head_dim, layer_device, dtype)
+            for kind in kinds])
         if offloading:
             from kvgen.cache.offload import enable_offloading  # (offload.py imports this module)
 

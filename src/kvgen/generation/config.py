@@ -60,6 +60,8 @@ class GenerationConfig:
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    suppress_tokens: list[int] | None = None  # never generated (Whisper's generation config sets these)
+    begin_suppress_tokens: list[int] | None = None  # not generated as the first new token
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod

@@ -14,7 +14,7 @@ import torch
 
 from kvgen.cache.base import Cache
 from kvgen.cache.dynamic import as_cache
-from kvgen.cache.fork import repeat_rows as repeat_cache_rows
+from kvgen.cache.fingerprint import check_cache_model
 from kvgen.cache.registry import create_cache
 from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import build_processors
@@ -52,8 +52,12 @@ def _reusable_prefix(cache: Cache, input_ids: torch.Tensor, max_length: int) -> 
             "sequence (the cached prefix followed by the new tokens)"
         )
     if seen == prompt_length:
-        cache.crop(prompt_length - 1)
-        seen = prompt_length - 1
+        try:
+            cache.crop(prompt_length - 1)
+            seen = prompt_length - 1
+        except ValueError:  # e.g. a Mamba state cannot go back a token: refill it
+            cache.reset()
+            seen = 0
     capacity = cache.get_max_cache_shape()
     if capacity is not None and cache.is_compileable and max_length > capacity:
         raise ValueError(
@@ -71,7 +75,7 @@ def _repeat_rows(n: int, cache: Cache | None, *rows: torch.Tensor):
     if n == 1:
         return rows
     if cache is not None:
-        repeat_cache_rows(cache, n)
+        cache.share_rows(n)
     return tuple(t.repeat_interleave(n, dim=0) for t in rows)
 
 
@@ -108,6 +112,8 @@ class GenerationMixin:
 
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
         cache, legacy_in = as_cache(past_key_values)
+        if cache is not None:  # before anything edits it: a cache of another model raises untouched
+            check_cache_model(cache, self)
         max_length = self._max_length(config, input_ids.shape[1])
         if not config.use_cache:
             cache = None

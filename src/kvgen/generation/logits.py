@@ -31,6 +31,22 @@ def suppress_eos_until(eos_ids: list[int], min_total_length: int) -> Processor:
     return apply
 
 
+def suppress(token_ids: list[int], at_length: int | None = None) -> Processor:
+    """Forbid ``token_ids`` (always, or only when the sequence is ``at_length`` long: the first new token).
+
+    Ids outside the vocabulary are ignored, as in transformers.
+    """
+    ids = torch.tensor(token_ids, dtype=torch.long)
+
+    def apply(input_ids, scores):
+        if at_length is not None and input_ids.shape[-1] != at_length:
+            return scores
+        inside = ids[(ids >= 0) & (ids < scores.shape[-1])]
+        return scores.index_fill(1, inside.to(scores.device), -float("inf"))
+
+    return apply
+
+
 def temperature(value: float) -> Processor:
     return lambda input_ids, scores: scores / value
 
@@ -66,6 +82,10 @@ def build_processors(config, prompt_length: int) -> list[Processor]:
         processors.append(suppress_eos_until(eos, config.min_length))
     if eos and config.min_new_tokens:
         processors.append(suppress_eos_until(eos, prompt_length + config.min_new_tokens))
+    if config.suppress_tokens:
+        processors.append(suppress(config.suppress_tokens))
+    if config.begin_suppress_tokens:
+        processors.append(suppress(config.begin_suppress_tokens, at_length=prompt_length))
     if config.do_sample:
         if config.temperature not in (None, 1.0):
             processors.append(temperature(config.temperature))

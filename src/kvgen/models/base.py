@@ -14,6 +14,7 @@ from torch import nn
 
 from kvgen.cache.base import Cache
 from kvgen.cache.dynamic import DynamicCache, as_cache
+from kvgen.cache.fingerprint import check_cache_model
 from kvgen.config import PretrainedConfig
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.generate import GenerationMixin
@@ -83,6 +84,7 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         super().__init__()
         self.config = config
         self.generation_config = GenerationConfig.from_model_config(config)
+        self.register_forward_pre_hook(_refuse_foreign_cache, with_kwargs=True)
 
     @property
     def device(self) -> torch.device:
@@ -101,8 +103,9 @@ class PreTrainedModel(nn.Module, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, dtype=None, torch_dtype=None,
                         device_map=None, gguf_file: str | None = None, revision: str = "main"):
-        """Load from an HF folder (single or sharded safetensors), a hub id, or a GGUF file."""
+        """Load from an HF folder (single or sharded safetensors), a hub id, a GGUF file, or a CTranslate2 folder."""
         from kvgen.loading.checkpoint import load_safetensors_state_dict, read_generation_config
+        from kvgen.loading.ctranslate2 import is_ctranslate2_dir, load_ctranslate2_whisper
 
         if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
             raise ValueError("pass dtype= or torch_dtype= (the older name), not both")
@@ -116,6 +119,9 @@ class PreTrainedModel(nn.Module, GenerationMixin):
             from kvgen.loading.gguf import load_gguf
 
             config_dict, state_dict = load_gguf(folder / gguf_file)
+            config = PretrainedConfig.from_dict(config_dict)
+        elif is_ctranslate2_dir(folder):  # a CTranslate2 Whisper folder (faster-whisper's model.bin)
+            config_dict, state_dict, generation = load_ctranslate2_whisper(folder)
             config = PretrainedConfig.from_dict(config_dict)
         else:
             config = PretrainedConfig.from_json_file(folder / "config.json")
@@ -178,6 +184,14 @@ class PreTrainedModel(nn.Module, GenerationMixin):
 
     def init_buffers(self, device) -> None:
         """Recreate non-persistent buffers (e.g. rotary tables) that the meta-device build left empty."""
+
+
+def _refuse_foreign_cache(model, args, kwargs) -> None:
+    """Forward pre-hook of every model: a cache filled by another model (other config or weights) raises."""
+    if not torch.compiler.is_compiling():
+        for value in (kwargs.get("past_key_values"), *args):
+            if isinstance(value, Cache):
+                check_cache_model(value, model)
 
 
 # -- decoder inputs (the seeds' forward contract) -------------------------------------------------------
