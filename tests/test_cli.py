@@ -263,7 +263,9 @@ def test_chat_save_then_load_resumes_the_conversation(smollm, capsys, monkeypatc
     assert captured.out.strip() == expected
 
 
-@pytest.mark.parametrize("cache,config", [("static", None), ("sink", "window_length=48,num_sink_tokens=4")])
+@pytest.mark.parametrize("cache,config", [("static", None), ("offloaded", None),
+                                          ("quantized", "backend=kivi,nbits=4,residual_length=16"),
+                                          ("sink", "window_length=48,num_sink_tokens=4")])
 def test_chat_keeps_one_cache_of_every_kind_across_turns(smollm, capsys, monkeypatch, cache, config):
     model, tokenizer = smollm
     monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
@@ -274,7 +276,7 @@ def test_chat_keeps_one_cache_of_every_kind_across_turns(smollm, capsys, monkeyp
     replies = captured.out.strip().splitlines()
     lengths = [int(n) for n in re.findall(r"cache_tokens=(\d+)", captured.err)]
     assert len(replies) == 3 and lengths == sorted(lengths) and lengths[-1] > 48  # one cache, past a sink window
-    if cache == "static":  # lossless: the replies of a dynamic-cache chat
+    if cache in ("static", "offloaded"):  # lossless: the replies of a dynamic-cache chat
         assert run_chat(turns, [], monkeypatch) == 0
         assert capsys.readouterr().out.strip().splitlines() == replies
     else:
