@@ -11,7 +11,9 @@ compared (max abs difference).
 Without the ``mamba_ssm``/``causal_conv1d`` CUDA kernels, transformers scans with a
 per-token Python loop. kvgen scans in chunks (``kvgen.models.selective_scan``). Both
 run the same projections (about 15 GFLOP per layer at 2048 tokens), which bound what
-any scan can save: the script also times those matrix products alone (``gemm_s``).
+any scan can save: the script also times those matrix products alone (``gemm_s``), and
+``speedup_bound_from_gemm`` is transformers' time over theirs. The load average before
+and after is recorded: other processes on a shared host slow both sides, unevenly.
 
 Usage:
     OMP_NUM_THREADS=2 python benchmarks/mamba_prefill.py [--tokens 2048] [--repeats 3]

@@ -175,7 +175,10 @@ def _compile_usable() -> bool:
 def _compiled_chunk():
     global _compiled_fn
     if _compiled_fn is None:
-        _compiled_fn = torch.compile(_sequential_chunk, fullgraph=True, dynamic=True)
+        # One thread: a chunk is a small job (~0.5 ms), and an OpenMP fork/join per chunk stalls whenever the
+        # other core is busy. On this shared 2-core host a 2-thread kernel made an 8-layer prefill 11-21 s where
+        # this one takes 6-8 s (transformers: 8-10 s); on an idle host 2 threads save ~25 ms per layer.
+        _compiled_fn = torch.compile(_sequential_chunk, fullgraph=True, dynamic=True, options={"cpp.threads": 1})
     return _compiled_fn
 
 
