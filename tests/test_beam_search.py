@@ -22,6 +22,8 @@ import transformers
 import kvgen
 from kvgen import QuantizedCacheConfig, SinkCache
 
+from test_offload import resilient_generate  # the seeds' example, as written there
+
 REFERENCE = Path(__file__).parent / "reference"
 EOS, PAD = 46, 2
 
@@ -228,20 +230,6 @@ def test_lossy_caches_reorder_every_part_with_the_beams(llama, name):
 
 
 # -- the seeds' out-of-memory fallback ---------------------------------------------------------------
-
-def resilient_generate(model, *args, **kwargs):  # the seeds' example, verbatim apart from the import
-    oom = False
-    try:
-        return model.generate(*args, **kwargs)
-    except torch.cuda.OutOfMemoryError as e:
-        print(e)
-        print("retrying with cache_implementation='offloaded'")
-        oom = True
-    if oom:
-        torch.cuda.empty_cache()
-        kwargs["cache_implementation"] = "offloaded"
-        return model.generate(*args, **kwargs)
-
 
 def test_seeds_oom_fallback_with_forty_diverse_beams(llama, monkeypatch, capsys):
     _, ours = llama

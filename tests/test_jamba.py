@@ -21,6 +21,8 @@ from kvgen import DynamicCache, HybridMambaAttentionDynamicCache, StaticCache
 from kvgen.cache.dynamic import DynamicLayer
 from kvgen.cache.ssm import SSMLayer
 
+from test_mamba import one_thread, randomise_constant_parameters  # noqa: F401  (the same setup)
+
 ATOL = 1e-4
 VOCAB = 128
 # layers: 0 mamba+experts, 1 attention+dense, 2 mamba+experts, 3 attention+dense, 4 mamba+experts
@@ -28,15 +30,6 @@ CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
               num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
               expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
               mamba_expand=2, initializer_range=0.05, pad_token_id=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tiny models gain nothing from threads; on a shared host each parallel op can wait for a busy core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +43,6 @@ def pair(tmp_path_factory):
 
 
 @torch.no_grad()
-def randomise_constant_parameters(model):
-    """Norms start at 1, conv biases at 0, D at 1 and A alike in every channel: randomise them (see test_mamba)."""
-    for name, param in model.named_parameters():
-        if "norm" in name or name.endswith(".D"):
-            param.normal_(1.0, 0.3)
-        elif "conv1d.bias" in name:
-            param.normal_(0.0, 0.5)
-        elif name.endswith("A_log"):
-            param.add_(0.3 * torch.randn_like(param))
-
-
 def tokens(seed, batch, length):
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
