@@ -532,20 +532,34 @@ def test_long_prompt_through_a_quantized_cache(smollm):
 
 
 def test_two_bit_keys_search_their_range_and_values_keep_min_max():
-    """2-bit keys: per-channel ranges chosen by least squared error among shrunk ranges (never worse than
-    min/max); values keep the min/max range (clipping them cost more perplexity than it saved)."""
-    from kvgen.cache.quantizers import KEY_CLIP_RATIOS, minmax_quantize, scale_dtype
+    """2-bit keys: per-channel ranges chosen by least squared error among narrowed ranges (never worse than
+    min/max; the same error as a brute-force search); values keep the min/max range (clipping them cost more
+    perplexity than it saved)."""
+    from kvgen.cache.quantizers import KEY_RANGE_CUTS, minmax_quantize, scale_dtype
 
     x = torch.randn(1, 2, 4, 32, 16, generator=torch.Generator().manual_seed(0))
     x[..., 0, :] *= 8  # an outlier token in every group
 
-    def reconstruct(t, dim, ratios):
-        codes, scale, zero = minmax_quantize(t, dim, 2, scale_dtype(t.dtype), ratios)
+    def reconstruct(t, dim, cuts):
+        codes, scale, zero = minmax_quantize(t, dim, 2, scale_dtype(t.dtype), cuts)
         return codes.float() * scale.float() + zero.float()
 
-    plain = (reconstruct(x, 3, (1.0,)) - x).square().sum(3)
-    searched = (reconstruct(x, 3, KEY_CLIP_RATIOS) - x).square().sum(3)
+    plain = (reconstruct(x, 3, ((0.0, 0.0),)) - x).square().sum(3)
+    searched = (reconstruct(x, 3, KEY_RANGE_CUTS) - x).square().sum(3)
     assert (searched <= plain + 1e-5).all() and searched.sum() < 0.8 * plain.sum()
+
+    # brute force, one slice (32 tokens of one channel) at a time: every cut pair, codes by rounding
+    for slice_ in x.permute(0, 1, 2, 4, 3).reshape(-1, 32)[:16]:
+        errors = []
+        for a, b in KEY_RANGE_CUTS:
+            lo, hi = slice_.min().item(), slice_.max().item()
+            low, high = lo + a * (hi - lo), hi - b * (hi - lo)
+            scale = float(torch.tensor((high - low) / 3).half())
+            zero = float(torch.tensor(low).half())
+            codes = ((slice_ - zero) / scale).round().clamp(0, 3)
+            errors.append((codes * scale + zero - slice_).square().sum().item())
+        got = (reconstruct(slice_.view(32, 1), 0, KEY_RANGE_CUTS).view(32) - slice_).square().sum().item()
+        assert got == pytest.approx(min(errors), rel=1e-4, abs=1e-6)
 
     layer = QuantizedLayer({"backend": "kivi", "nbits": 2, "q_group_size": 32, "residual_length": 32,
                             "num_sink_tokens": 0})
@@ -554,7 +568,7 @@ def test_two_bit_keys_search_their_range_and_values_keep_min_max():
     keys[:, :, 3] *= 8
     layer.update(keys, values, torch.arange(64))
     assert layer.quantized_length == 32
-    expected_keys = reconstruct(keys[:, :, :32].reshape(1, 2, 1, 32, 16), 3, KEY_CLIP_RATIOS).reshape(1, 2, 32, 16)
-    expected_values = reconstruct(values[:, :, :32].reshape(1, 2, 32, 1, 16), 4, (1.0,)).reshape(1, 2, 32, 16)
+    expected_keys = reconstruct(keys[:, :, :32].reshape(1, 2, 1, 32, 16), 3, KEY_RANGE_CUTS).reshape(1, 2, 32, 16)
+    expected_values = reconstruct(values[:, :, :32].reshape(1, 2, 32, 1, 16), 4, ((0.0, 0.0),)).reshape(1, 2, 32, 16)
     torch.testing.assert_close(layer.keys[:, :, :32], expected_keys)
     torch.testing.assert_close(layer.values[:, :, :32], expected_values)

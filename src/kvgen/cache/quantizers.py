@@ -91,41 +91,61 @@ def unpacker(packed: torch.Tensor, out: torch.Tensor, nbits: int) -> Callable[[]
     return run
 
 
-#: range shrink factors tried for 2-bit keys (see :func:`minmax_quantize`)
-KEY_CLIP_RATIOS = tuple(1 - 0.05 * i for i in range(11))
+#: (low cut, high cut) pairs tried for 2-bit keys: fractions of each slice's range cut off at the bottom
+#: and the top (see :func:`minmax_quantize`); (0, 0) is plain min/max, so the search never does worse
+KEY_RANGE_CUTS = tuple((a / 20, b / 20) for a in range(7) for b in range(7))
 
 
 def minmax_quantize(x: torch.Tensor, dim: int, nbits: int, sdtype: torch.dtype,
-                    clip_ratios: tuple[float, ...] = (1.0,)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    range_cuts: tuple[tuple[float, float], ...] = ((0.0, 0.0),)
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization of ``x`` with one scale and zero point per slice along ``dim``.
 
     Returns ``(codes uint8 like x, scale, zero)`` with ``scale``/``zero`` reduced over ``dim``
     (kept as size 1) in ``sdtype``; ``x ~= codes * scale + zero``. Codes are computed with the
     rounded 16-bit scale and zero point, so dequantization sees exactly what was quantized.
-    With several ``clip_ratios``, each slice's range is shrunk about its middle by each ratio
-    and the one with the least squared error is kept (outliers clip, the rest get finer steps).
+    With several ``range_cuts`` ``(a, b)``, each slice's range ``[lo, hi]`` is narrowed to
+    ``[lo + a (hi - lo), hi - b (hi - lo)]`` for every pair and the pair with the least squared
+    error is kept per slice (outliers clip, the rest get finer steps).
     """
     qmax = (1 << nbits) - 1
     x = x.float()
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    mid = (lo + hi) / 2
-    best = None
-    for ratio in clip_ratios:
-        low = lo if ratio == 1.0 else mid - (mid - lo) * ratio
-        scale = ((hi - lo) / qmax if ratio == 1.0 else (hi - lo) * (ratio / qmax)).to(sdtype)
-        zero = low.to(sdtype)
-        s = scale.float()
-        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # constant group: every code 0, value = zero
-        codes = ((x - zero.float()) * inv).round_().clamp_(0, qmax)
-        if len(clip_ratios) == 1:
-            return codes.to(torch.uint8), scale, zero
-        error = (codes * s + zero.float() - x).square_().sum(dim, keepdim=True)
+    if len(range_cuts) > 1:
+        lo, hi = _search_range(x.movedim(dim, -1).contiguous(), lo.movedim(dim, -1), hi.movedim(dim, -1),
+                               range_cuts, qmax, sdtype)
+        lo, hi = lo.movedim(-1, dim), hi.movedim(-1, dim)
+    scale, zero = ((hi - lo) / qmax).to(sdtype), lo.to(sdtype)
+    s = scale.float()
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))  # constant slice: every code 0, value = zero
+    codes = ((x - zero.float()) * inv).round_().clamp_(0, qmax)
+    return codes.to(torch.uint8), scale, zero
+
+
+def _search_range(x, lo, hi, range_cuts, qmax, sdtype):
+    """The ``(low, high)`` of least squared error per slice among ``range_cuts``; slices along the last dim of ``x``.
+
+    The error of a candidate is ``scale**2 * sum((codes - t)**2)`` with ``t = (x - zero) / scale``: a few
+    passes per candidate, candidates evaluated together in bounded scratch (a prefill's keys are large).
+    """
+    span, best = hi - lo, None
+    per_pass = max(1, (1 << 22) // max(x.numel(), 1))
+    for start in range(0, len(range_cuts), per_pass):
+        cuts = torch.tensor(range_cuts[start:start + per_pass], dtype=torch.float32, device=x.device)
+        a, b = (cuts[:, i].view(-1, *[1] * x.dim()) for i in (0, 1))  # (C, 1, ..., 1)
+        low, high = lo + a * span, hi - b * span  # (C, ..., 1)
+        s, z = ((high - low) / qmax).to(sdtype).float(), low.to(sdtype).float()
+        t = (x - z).mul_(torch.where(s > 0, 1.0 / s, torch.zeros_like(s)))  # (C, ..., n)
+        codes = t.round().clamp_(0, qmax).sub_(t)
+        error = torch.linalg.vecdot(codes, codes)[..., None] * s.square()  # (C, ..., 1)
+        pick = error.argmin(0, keepdim=True)
+        found = [v.gather(0, pick)[0] for v in (error, low, high)]
         if best is None:
-            best = [error, codes, scale, zero]
+            best = found
         else:
-            better = error < best[0]
-            best = [torch.where(better, new, old) for new, old in zip((error, codes, scale, zero), best)]
-    return best[1].to(torch.uint8), best[2], best[3]
+            better = found[0] < best[0]
+            best = [torch.where(better, new, old) for new, old in zip(found, best)]
+    return best[1], best[2]
 
 
 def _grow(t: torch.Tensor | None, dim: int, needed: int, unit: int) -> torch.Tensor:
@@ -181,8 +201,8 @@ class KiviStore:
         if self.per_channel:
             # 2-bit keys: per-channel ranges searched for the least error (values keep min/max: clipping
             # their outliers costs more than it saves, measured on SmolLM2 + KJV)
-            ratios = KEY_CLIP_RATIOS if self.nbits == 2 else (1.0,)
-            codes, scale, zero = minmax_quantize(x.reshape(b, h, k, g, d), 3, self.nbits, sdtype, ratios)
+            cuts = KEY_RANGE_CUTS if self.nbits == 2 else ((0.0, 0.0),)
+            codes, scale, zero = minmax_quantize(x.reshape(b, h, k, g, d), 3, self.nbits, sdtype, cuts)
             scale, zero = scale.squeeze(3), zero.squeeze(3)  # (B, H, k, D)
             self._ensure(b, h, d, k, sdtype, x.device, scale_rows=k, scale_cols=d)
             rows = slice(self.blocks, self.blocks + k)
