@@ -386,6 +386,23 @@ def test_config_defaults_are_the_seeds():
     assert QuantizedCacheConfig(backend="kivi", compute_dtype="bfloat16").compute_dtype == torch.bfloat16
 
 
+def test_unset_group_size_is_64_except_kivi_two_bit_which_takes_the_papers_32():
+    assert QuantizedCacheConfig(backend="kivi", nbits=2).q_group_size == 32
+    assert QuantizedCacheConfig(backend="kivi", nbits=4).q_group_size == 64
+    assert QuantizedCacheConfig(backend="quanto", nbits=2).q_group_size == 64
+    assert QuantizedCacheConfig(backend="kivi", nbits=2, q_group_size=64).q_group_size == 64  # explicit wins
+    config = QuantizedCacheConfig(backend="kivi")
+    config.update(nbits=2)
+    assert config.q_group_size == 32
+    assert QuantizedCache(cache_config=config, nbits=4).cache_config.q_group_size == 64
+    assert QuantizedCache("kivi", CONFIG, nbits=2).cache_config.q_group_size == 32
+    explicit = QuantizedCacheConfig(backend="kivi", q_group_size=64)
+    assert QuantizedCache(cache_config=explicit, nbits=2).cache_config.q_group_size == 64
+    layer = QuantizedLayer({"backend": "kivi", "nbits": 2, "residual_length": 0, "num_sink_tokens": 0})
+    layer.update(torch.randn(1, 1, 64, 32), torch.randn(1, 1, 64, 32), torch.arange(64))
+    assert layer.quantized_length == 64 and layer.block == 32
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"backend": "quanto", "nbits": 8}, r"nbits=8 is not supported by the 'quanto' backend; it supports 2, 4"),
     ({"backend": "kivi", "nbits": 3}, r"nbits=3 .*'kivi' backend; it supports 2, 4, 8"),
@@ -460,7 +477,7 @@ def test_sliding_layers_keep_a_full_precision_window():
 
 # -- memory ----------------------------------------------------------------------------------------------
 def kivi_ratio(nbits, tokens=4096, heads=3, dim=64, grow=False):
-    q = QuantizedLayer({"backend": "kivi", "nbits": nbits})
+    q = QuantizedLayer({"backend": "kivi", "nbits": nbits, "q_group_size": 64})
     k = torch.randn(1, heads, tokens, dim, dtype=torch.float16)
     if grow:  # a short prompt, then token by token
         q.update(k[:, :, :16], k[:, :, :16], torch.arange(16))
@@ -503,7 +520,12 @@ def test_generate_with_kivi_matches_the_dynamic_cache(smollm):
     dynamic = model.generate(**inputs, do_sample=False, max_new_tokens=20)
     quantized = model.generate(**inputs, do_sample=False, max_new_tokens=20, cache_implementation="quantized",
                                cache_config={"backend": "kivi", "nbits": 4})
-    assert quantized.equal(dynamic)
+    assert quantized.equal(dynamic)  # with the default residual of 128 tokens nothing is quantized yet
+    # no residual and groups of 8: all but the 4 sink tokens and the newest partial group are 4-bit codes
+    out = model.generate(**inputs, do_sample=False, max_new_tokens=20, cache_implementation="quantized",
+                         cache_config={"backend": "kivi", "nbits": 4, "residual_length": 0, "q_group_size": 8},
+                         return_dict_in_generate=True)
+    assert out.past_key_values.layers[0].quantized_length == 16 and out.sequences.equal(dynamic)
 
 
 @needs_quanto
