@@ -37,6 +37,11 @@ def test_linear_under_compile_equals_f_linear(rows, bias):
     x = torch.randn(rows, 1, 48)
     out = torch.compile(layer, dynamic=False)(x)
     torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    strided = torch.randn(rows, 3, 48)[:, -1:]  # rows 144 floats apart: the input is not stored densely
+    out = torch.compile(lambda t: layer(torch.tanh(t)), dynamic=False)(strided)
+    torch.testing.assert_close(out, F.linear(torch.tanh(strided), layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    out = torch.compile(layer, dynamic=False)(strided)
+    torch.testing.assert_close(out, F.linear(strided, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
 def decode(model, steps=5, batch=2):

@@ -35,6 +35,7 @@ class Linear(nn.Linear):
         x2 = x.reshape(rows, x.shape[-1])
         if rows > 1:  # as_strided makes inductor store the input once: inlined, its producer (a norm,
             # silu(gate) * up) is recomputed for every output feature, and 2-8 rows become compute-bound
+            x2 = x2.contiguous()  # (a view of strided rows, e.g. the last position of a prefill, is copied)
             x2 = x2.as_strided(x2.shape, (x2.shape[1], 1))
         y = torch.stack([(self.weight * x2[r]).sum(-1) for r in range(rows)])  # (rows, out): one pass over W
         if self.bias is not None:
