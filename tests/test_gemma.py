@@ -18,8 +18,7 @@ import transformers
 
 import kvgen
 from kvgen import HybridCache
-
-ATOL = 1e-4
+from test_parity import ATOL, check_logits_without_cache, check_prefill_and_decode, left_padded_batch
 WINDOW = 5
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.2,
@@ -53,20 +52,6 @@ def make_pair(name, tmp_path_factory):
 def pair(request, tmp_path_factory):
     hf, ours, _ = make_pair(request.param, tmp_path_factory)
     return request.param, hf, ours
-
-
-def left_padded_batch(seed=1, length=12):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 128, (3, length), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[2, :1] = 0
-    ids[mask == 0] = 0
-    return ids, mask
-
-
-def positions(mask):
-    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 # -- configs --------------------------------------------------------------------------------------------
@@ -117,34 +102,13 @@ def test_loaded_model_is_the_gemma_class(pair):
     assert ours.lm_head.weight is ours.model.embed_tokens.weight  # tied
 
 
-@torch.no_grad()
 def test_logits_without_cache(pair):
-    _, hf, ours = pair
-    ids, mask = left_padded_batch()
-    ref = hf(ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
-    got = ours(ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
-    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
+    check_logits_without_cache(*pair[1:])
 
 
-@torch.no_grad()
 def test_logits_prefill_and_20_decode_steps_with_cache(pair):
     _, hf, ours = pair
-    ids, mask = left_padded_batch()
-    hf_cache, cache = transformers.DynamicCache(config=hf.config), kvgen.DynamicCache(config=ours.config)
-    pos = positions(mask)
-    ref = hf(ids, attention_mask=mask, position_ids=pos, past_key_values=hf_cache).logits
-    got = ours(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
-    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
-    g = torch.Generator().manual_seed(2)
-    for step in range(20):
-        new = torch.randint(3, 128, (3, 1), generator=g)
-        mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=-1)
-        pos = pos[:, -1:] + 1
-        cache_position = torch.tensor([mask.shape[1] - 1])
-        ref = hf(new, attention_mask=mask, position_ids=pos, past_key_values=hf_cache).logits
-        got = ours(new, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   cache_position=cache_position).logits
-        torch.testing.assert_close(got, ref, atol=ATOL, rtol=0, msg=f"decode step {step}")
+    cache, mask = check_prefill_and_decode(hf, ours)
     # the true length, though layer 0 is a sliding layer that keeps only its window
     assert cache.get_seq_length() == mask.shape[1] == 32
     for kind, (keys, _) in zip(ours.config.layer_types, cache):  # sliding layers stay bounded

@@ -76,8 +76,8 @@ def test_loaded_model_is_the_family_class(pair):
 
 
 @torch.no_grad()
-def test_logits_without_cache(pair):
-    _, hf, ours = pair
+def check_logits_without_cache(hf, ours) -> None:
+    """A left-padded batch without a cache: kvgen's logits equal transformers' on the real tokens."""
     ids, mask = left_padded_batch()
     ref = hf(ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
     got = ours(ids, attention_mask=mask, position_ids=positions(mask), use_cache=False).logits
@@ -85,8 +85,9 @@ def test_logits_without_cache(pair):
 
 
 @torch.no_grad()
-def test_logits_prefill_and_20_decode_steps_with_cache(pair):
-    _, hf, ours = pair
+def check_prefill_and_decode(hf, ours, steps: int = 20):
+    """A left-padded prefill, then ``steps`` random tokens, through each library's DynamicCache(config=):
+    logits equal at every step. Returns kvgen's cache and the final attention mask."""
     ids, mask = left_padded_batch()
     hf_cache, cache = transformers.DynamicCache(config=hf.config), kvgen.DynamicCache(config=ours.config)
     pos = positions(mask)
@@ -94,7 +95,7 @@ def test_logits_prefill_and_20_decode_steps_with_cache(pair):
     got = ours(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits
     torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
     g = torch.Generator().manual_seed(2)
-    for step in range(20):
+    for step in range(steps):
         new = torch.randint(3, 128, (3, 1), generator=g)
         mask = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], dim=-1)
         pos = pos[:, -1:] + 1
@@ -104,6 +105,15 @@ def test_logits_prefill_and_20_decode_steps_with_cache(pair):
         got = ours(new, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    cache_position=cache_position).logits
         torch.testing.assert_close(got, ref, atol=ATOL, rtol=0, msg=f"decode step {step}")
+    return cache, mask
+
+
+def test_logits_without_cache(pair):
+    check_logits_without_cache(*pair[1:])
+
+
+def test_logits_prefill_and_20_decode_steps_with_cache(pair):
+    cache, mask = check_prefill_and_decode(*pair[1:])
     assert cache.get_seq_length() == mask.shape[1]
 
 

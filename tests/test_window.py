@@ -22,6 +22,7 @@ from kvgen.cache.dynamic import DynamicLayer, DynamicSlidingWindowLayer
 from kvgen.cache.static import StaticLayer
 from kvgen.config import PretrainedConfig
 from kvgen.masks import attention_mask
+from test_parity import ATOL, left_padded_batch, positions
 
 B, H, D = 2, 2, 8
 MISTRAL = PretrainedConfig(model_type="mistral", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -306,7 +307,6 @@ def test_dynamic_cache_keeps_sliding_layers_of_a_hybrid_config_bounded():
 
 # -- parity with transformers ---------------------------------------------------------------------------
 
-ATOL = 1e-4
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=64, initializer_range=0.2)
 MODELS = {
@@ -329,20 +329,6 @@ def pair(request, tmp_path_factory):
     expected = getattr(hf.config, "layer_types", None) or ["sliding_attention"] * hf.config.num_hidden_layers
     assert ours.config.layer_types == expected
     return request.param, hf, ours
-
-
-def left_padded_batch(seed, length):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 128, (3, length), generator=g)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[2, :1] = 0
-    ids[mask == 0] = 0
-    return ids, mask
-
-
-def positions(mask):
-    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 @torch.no_grad()
