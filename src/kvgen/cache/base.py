@@ -338,6 +338,18 @@ class Cache:
         return f"{type(self).__name__}(layers={len(self.layers)}, seq_length={self.get_seq_length()})"
 
 
+def check_next_positions(cache_position: torch.Tensor, seen: int, holder: str, hint: str) -> None:
+    """Raise ``ValueError`` unless ``cache_position`` (T,) is ``seen .. seen + T - 1`` (a layer that only appends).
+
+    ``holder`` names the layer and its verb ("this DynamicLayer holds"); ``hint`` says how to fix the call.
+    """
+    t = cache_position.shape[0]
+    first, last = int(cache_position[0]), int(cache_position[-1])
+    if first != seen or last != seen + t - 1:
+        raise ValueError(f"cache_position runs {first}..{last} but {holder} {seen} tokens, so the next positions "
+                         f"must be {seen}..{seen + t - 1}. {hint}")
+
+
 def map_nested(value, fn):
     """``value`` with every tensor in it replaced by ``fn(tensor)``: tensors, lists, tuples and dicts of them.
 

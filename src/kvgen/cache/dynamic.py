@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, LegacyCache, config_value, text_config
+from kvgen.cache.base import Cache, CacheLayer, LegacyCache, check_next_positions, config_value, text_config
 from kvgen.cache.registry import register_cache
 
 _ROUND = 128  # slots are allocated in multiples of this (by default)
@@ -85,15 +85,9 @@ class DynamicLayer(CacheLayer):
         return torch.arange(first, self._seen + cache_position.shape[0], device=cache_position.device)
 
     def check_cache_position(self, cache_position):
-        t = cache_position.shape[0]
-        first, last = int(cache_position[0]), int(cache_position[-1])
-        if first != self._seen or last != self._seen + t - 1:
-            raise ValueError(
-                f"cache_position runs {first}..{last} but this {type(self).__name__} holds {self._seen} tokens, "
-                f"so the next positions must be {self._seen}..{self._seen + t - 1}. cache_position counts "
-                "tokens in the cache (padding included): pass torch.arange(cache.get_seq_length(), "
-                "cache.get_seq_length() + new_tokens), or crop the cache first."
-            )
+        check_next_positions(cache_position, self._seen, f"this {type(self).__name__} holds",
+                             "cache_position counts tokens in the cache (padding included): pass torch.arange("
+                             "cache.get_seq_length(), cache.get_seq_length() + new_tokens), or crop the cache first.")
 
     def get_seq_length(self):
         return self._seen

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
+from kvgen.cache.base import Cache, CacheLayer, check_next_positions, config_value, text_config
 from kvgen.cache.dynamic import DynamicSlidingWindowLayer
 from kvgen.cache.quantizers import HQQBackend, KiviStore, LibraryStore, QuantoBackend
 from kvgen.cache.registry import register_cache
@@ -365,13 +365,8 @@ class QuantizedLayer(CacheLayer):
         return torch.arange(self._seen + cache_position.shape[0], device=cache_position.device)
 
     def check_cache_position(self, cache_position):
-        t = cache_position.shape[0]
-        first, last = int(cache_position[0]), int(cache_position[-1])
-        if first != self._seen or last != self._seen + t - 1:
-            raise ValueError(
-                f"cache_position runs {first}..{last} but this quantized layer holds {self._seen} tokens, so the "
-                f"next positions must be {self._seen}..{self._seen + t - 1}; crop the cache first to rewrite"
-            )
+        check_next_positions(cache_position, self._seen, "this quantized layer holds",
+                             "Crop the cache first to rewrite earlier positions.")
 
     def get_seq_length(self):
         return self._seen

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
+from kvgen.cache.base import Cache, CacheLayer, check_next_positions, config_value, text_config
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import repeat_batch_rows, select_batch_rows
 from kvgen.rope import apply_rotary
@@ -249,16 +249,10 @@ class SinkLayer(CacheLayer):
 
     # -- bookkeeping ----------------------------------------------------------------------------------
     def check_cache_position(self, cache_position):
-        t = cache_position.shape[0]
-        seen = self.get_seq_length()
-        first, last = int(cache_position[0]), int(cache_position[-1])
-        if first != seen or last != seen + t - 1:
-            raise ValueError(
-                f"cache_position runs {first}..{last} but this sink cache has seen {seen} tokens, so the next "
-                f"positions must be {seen}..{seen + t - 1}. cache_position counts every token streamed so far "
-                "(evicted ones included): pass torch.arange(cache.get_seq_length(), cache.get_seq_length() + "
-                "new_tokens), or cache.crop(n) / cache.reset() first."
-            )
+        check_next_positions(cache_position, self.get_seq_length(), "this sink cache has seen",
+                             "cache_position counts every token streamed so far (evicted ones included): pass "
+                             "torch.arange(cache.get_seq_length(), cache.get_seq_length() + new_tokens), or "
+                             "cache.crop(n) / cache.reset() first.")
 
     def get_seq_length(self):
         return 0 if self._seen is None else int(self._seen)

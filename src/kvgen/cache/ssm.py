@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import CacheLayer, config_value, text_config
+from kvgen.cache.base import CacheLayer, check_next_positions, config_value, text_config
 from kvgen.cache.dynamic import DynamicCache
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import repeat_batch_rows, select_batch_rows
@@ -106,15 +106,10 @@ class SSMLayer(CacheLayer):
         self._seen += cache_position.shape[0]
 
     def check_cache_position(self, cache_position):
-        t = cache_position.shape[0]
-        first, last = int(cache_position[0]), int(cache_position[-1])
-        if first != self._seen or last != self._seen + t - 1:
-            raise ValueError(
-                f"cache_position runs {first}..{last} but this state-space (Mamba) layer has seen {self._seen} tokens; "
-                f"its state can only move forward, so the next positions must be {self._seen}..{self._seen + t - 1}. "
-                "Pass cache_position=torch.arange(cache.get_seq_length(), cache.get_seq_length() + new_tokens), "
-                "or call cache.reset() to start again from an empty state."
-            )
+        check_next_positions(cache_position, self._seen, "this state-space (Mamba) layer has seen",
+                             "Its state can only move forward: pass cache_position=torch.arange("
+                             "cache.get_seq_length(), cache.get_seq_length() + new_tokens), or call cache.reset() "
+                             "to start again from an empty state.")
 
     # -- sizes and editing ---------------------------------------------------------------------------
     def get_seq_length(self):

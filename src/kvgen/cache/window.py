@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
+from kvgen.cache.base import Cache, CacheLayer, check_next_positions, config_value, text_config
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import StaticLayer, repeat_batch_rows, select_batch_rows
 
@@ -125,16 +125,11 @@ class SlidingWindowLayer(CacheLayer):
         return pos.index_copy(0, cache_position % self.slots, cache_position)[:n]  # (n,) after the write
 
     def check_cache_position(self, cache_position):
-        t = cache_position.shape[0]
-        seen = self.get_seq_length()
-        first, last = int(cache_position[0]), int(cache_position[-1])
-        if first != seen or last != seen + t - 1:
-            raise ValueError(
-                f"cache_position runs {first}..{last} but this sliding-window (ring buffer) cache has seen {seen} "
-                f"tokens, so the next positions must be {seen}..{seen + t - 1}. A ring buffer cannot go back to "
-                "positions it has passed: call cache.crop(n) first (once it has wrapped around, at most one "
-                "token back) or cache.reset() and feed the whole sequence."
-            )
+        check_next_positions(cache_position, self.get_seq_length(), "this sliding-window (ring buffer) cache has "
+                             "seen", "A ring buffer cannot go back to positions it has passed: call cache.crop(n) "
+                             "first (once it has wrapped around, at most one token back) or cache.reset() and feed "
+                             "the whole sequence.")
+        last = int(cache_position[-1])
         if self.slots < self.sliding_window and last >= self.slots:
             raise ValueError(
                 f"cache_position {last} does not fit a sliding-window cache of max_cache_len={self.slots} (smaller "
