@@ -9,8 +9,6 @@ seeds' example; greedy ids (dynamic and static caches) and beam-search ids must 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import transformers
@@ -21,10 +19,10 @@ from kvgen import DynamicCache, HybridMambaAttentionDynamicCache, StaticCache
 from kvgen.cache.dynamic import DynamicLayer
 from kvgen.cache.ssm import SSMLayer
 
-from test_mamba import one_thread, randomise_constant_parameters  # noqa: F401  (the same setup)
+from test_mamba import (ATOL, VOCAB, check_beam_search, check_greedy_generate, check_left_padded_logits,  # noqa: F401
+                        check_reorder_repeat_and_deepcopy, left_padded_batch, one_thread,
+                        randomise_constant_parameters, tokens)  # (one_thread: the same setup)
 
-ATOL = 1e-4
-VOCAB = 128
 # layers: 0 mamba+experts, 1 attention+dense, 2 mamba+experts, 3 attention+dense, 4 mamba+experts
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
               num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
@@ -42,19 +40,6 @@ def pair(tmp_path_factory):
     return hf, kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), folder
 
 
-@torch.no_grad()
-def tokens(seed, batch, length):
-    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def left_padded_batch(seed=1, length=12):
-    ids = tokens(seed, 3, length)
-    mask = torch.ones_like(ids)
-    mask[0, :4] = 0
-    mask[2, :1] = 0
-    return ids.masked_fill(mask == 0, 0), mask
-
-
 def test_layer_kinds_follow_transformers(pair):
     hf, ours, _ = pair
     assert type(ours) is kvgen.JambaForCausalLM
@@ -69,13 +54,8 @@ def test_layer_kinds_follow_transformers(pair):
         kvgen.JambaConfig(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=2)
 
 
-@torch.no_grad()
 def test_logits_match_transformers_with_left_padding(pair):
-    hf, ours, _ = pair
-    ids, mask = left_padded_batch(length=30)
-    ref = hf(ids, attention_mask=mask, use_cache=False).logits
-    got = ours(ids, attention_mask=mask, use_cache=False).logits
-    torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
+    check_left_padded_logits(*pair[:2], length=30)
 
 
 @torch.no_grad()
@@ -104,12 +84,7 @@ def test_hand_made_cache_prefill_and_decode_match_transformers(pair):
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
 def test_greedy_generate_left_padded_equals_transformers(pair, cache_implementation):
-    hf, ours, _ = pair
-    ids, mask = left_padded_batch(seed=4, length=8)
-    kwargs = dict(attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=0, eos_token_id=None)
-    ref = hf.generate(ids, **kwargs)
-    got = ours.generate(ids, cache_implementation=cache_implementation, disable_compile=True, **kwargs)
-    assert torch.equal(got, ref)
+    check_greedy_generate(*pair[:2], cache_implementation, seed=4)
 
 
 @torch.no_grad()
@@ -120,36 +95,15 @@ def test_long_prompt_through_the_compiled_scan_matches_transformers(pair):
 
 
 def test_beam_search_equals_transformers(pair):
-    """Beams reorder the cache every step: its SSM states must follow their rows."""
-    hf, ours, _ = pair
-    ids = tokens(11, 2, 7)
-    for extra in ({"num_beams": 3}, {"num_beams": 2, "num_return_sequences": 2}):
-        kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
-        assert torch.equal(ours.generate(ids, disable_compile=True, **kwargs), hf.generate(ids, **kwargs))
+    check_beam_search(*pair[:2])
 
 
 @torch.no_grad()
 def test_reorder_repeat_reset_crop_and_deepcopy(pair):
+    """Keys, values and SSM states all follow their rows."""
     _, ours, _ = pair
     ids = tokens(6, 2, 12)
-    full = ours(ids, use_cache=False).logits
-
-    def next_logits(cache, new, position):
-        return ours(new, past_key_values=cache, cache_position=torch.tensor([position])).logits[:, 0]
-
-    cache = ours(ids[:, :11]).past_key_values
-    cache.reorder_cache(torch.tensor([1, 0]))  # keys, values and SSM states all follow their row
-    torch.testing.assert_close(next_logits(cache, ids.flip(0)[:, 11:], 11), full.flip(0)[:, 11], atol=ATOL, rtol=0)
-
-    cache = ours(ids[:1, :11]).past_key_values
-    cache.batch_repeat_interleave(2)
-    torch.testing.assert_close(next_logits(cache, ids[[0, 0], 11:], 11), full[[0, 0], 11], atol=ATOL, rtol=0)
-
-    cache = ours(ids[:, :11]).past_key_values
-    snapshot = copy.deepcopy(cache)
-    next_logits(cache, ids[:, 11:], 11)
-    torch.testing.assert_close(next_logits(snapshot, ids[:, 11:], 11), full[:, 11], atol=ATOL, rtol=0)
-
+    cache, full = check_reorder_repeat_and_deepcopy(ours, ids)
     cache.crop(12)
     with pytest.raises(ValueError, match="cannot crop a state-space"):
         cache.crop(4)

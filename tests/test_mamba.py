@@ -118,12 +118,60 @@ def test_checkpoint_loads_as_mamba(pair):
 
 
 @torch.no_grad()
-def test_logits_match_transformers_with_left_padding(pair):
-    hf, ours, _ = pair
-    ids, mask = left_padded_batch(length=40)
+def check_left_padded_logits(hf, ours, length):
+    """Uncached logits of a left-padded batch equal transformers' on the real tokens; returns (ids, logits)."""
+    ids, mask = left_padded_batch(length=length)
     ref = hf(ids, attention_mask=mask, use_cache=False).logits
     got = ours(ids, attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(got[mask.bool()], ref[mask.bool()], atol=ATOL, rtol=0)
+    return ids, got
+
+
+def check_greedy_generate(hf, ours, cache_implementation, seed):
+    ids, mask = left_padded_batch(seed=seed, length=8)
+    kwargs = dict(attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=0, eos_token_id=None)
+    ref = hf.generate(ids, **kwargs)
+    got = ours.generate(ids, cache_implementation=cache_implementation, disable_compile=True, **kwargs)
+    assert torch.equal(got, ref)
+
+
+def check_beam_search(hf, ours):
+    """Beams reorder the cache every step: its SSM states must follow their rows."""
+    ids = tokens(11, 2, 7)
+    for extra in ({"num_beams": 3}, {"num_beams": 2, "num_return_sequences": 2}):
+        kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
+        assert torch.equal(ours.generate(ids, disable_compile=True, **kwargs), hf.generate(ids, **kwargs))
+
+
+@torch.no_grad()
+def check_reorder_repeat_and_deepcopy(ours, ids):
+    """Cache rows swapped, repeated and deep-copied after 11 of ``ids``' 12 tokens (B=2): the next logits
+    equal an uncached forward. Returns the copied-from cache (12 tokens) and the uncached logits."""
+    full = ours(ids, use_cache=False).logits
+
+    def next_logits(cache, new, position):
+        return ours(new, past_key_values=cache, cache_position=torch.tensor([position])).logits[:, 0]
+
+    cache = ours(ids[:, :11]).past_key_values
+    cache.reorder_cache(torch.tensor([1, 0]))  # beams swap: every state follows its row
+    torch.testing.assert_close(next_logits(cache, ids.flip(0)[:, 11:], 11), full.flip(0)[:, 11], atol=ATOL, rtol=0)
+
+    cache = ours(ids[:1, :11]).past_key_values
+    cache.batch_repeat_interleave(2)
+    torch.testing.assert_close(next_logits(cache, ids[[0, 0], 11:], 11), full[[0, 0], 11], atol=ATOL, rtol=0)
+
+    cache = ours(ids[:, :11]).past_key_values
+    snapshot = copy.deepcopy(cache)
+    next_logits(cache, ids[:, 11:], 11)
+    assert (cache.get_seq_length(), snapshot.get_seq_length()) == (12, 11)
+    torch.testing.assert_close(next_logits(snapshot, ids[:, 11:], 11), full[:, 11], atol=ATOL, rtol=0)
+    return cache, full
+
+
+@torch.no_grad()
+def test_logits_match_transformers_with_left_padding(pair):
+    hf, ours, _ = pair
+    ids, got = check_left_padded_logits(hf, ours, length=40)
     # padding is zeroed in the mixers: the padded rows equal the same tokens alone, unpadded
     alone = ours(ids[:1, 4:]).logits
     torch.testing.assert_close(got[0, 4:], alone[0], atol=ATOL, rtol=0)
@@ -169,12 +217,7 @@ def test_states_match_transformers_cache(pair):
 
 @pytest.mark.parametrize("cache_implementation", ["dynamic", "static", "mamba"])
 def test_greedy_generate_left_padded_equals_transformers(pair, cache_implementation):
-    hf, ours, _ = pair
-    ids, mask = left_padded_batch(seed=3, length=8)
-    kwargs = dict(attention_mask=mask, max_new_tokens=15, do_sample=False, pad_token_id=0, eos_token_id=None)
-    ref = hf.generate(ids, **kwargs)
-    got = ours.generate(ids, cache_implementation=cache_implementation, disable_compile=True, **kwargs)
-    assert torch.equal(got, ref)
+    check_greedy_generate(*pair[:2], cache_implementation, seed=3)
 
 
 def test_generate_returns_the_filled_state_cache(pair):
@@ -189,12 +232,7 @@ def test_generate_returns_the_filled_state_cache(pair):
 
 
 def test_beam_search_equals_transformers(pair):
-    """Beams reorder the cache every step: its SSM states must follow their rows."""
-    hf, ours, _ = pair
-    ids = tokens(11, 2, 7)
-    for extra in ({"num_beams": 3}, {"num_beams": 2, "num_return_sequences": 2}):
-        kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, **extra)
-        assert torch.equal(ours.generate(ids, disable_compile=True, **kwargs), hf.generate(ids, **kwargs))
+    check_beam_search(*pair[:2])
 
 
 # -- the cache ------------------------------------------------------------------------------------------
@@ -225,25 +263,7 @@ def test_mamba_cache_by_hand(pair):
 def test_reorder_repeat_reset_crop_and_deepcopy(pair):
     _, ours, _ = pair
     ids = tokens(7, 2, 12)
-    full = ours(ids, use_cache=False).logits
-
-    def next_logits(cache, new, position):
-        return ours(new, past_key_values=cache, cache_position=torch.tensor([position])).logits[:, 0]
-
-    cache = ours(ids[:, :11]).past_key_values
-    cache.reorder_cache(torch.tensor([1, 0]))  # beams swap: every state follows its row
-    torch.testing.assert_close(next_logits(cache, ids.flip(0)[:, 11:], 11), full.flip(0)[:, 11], atol=ATOL, rtol=0)
-
-    cache = ours(ids[:1, :11]).past_key_values
-    cache.batch_repeat_interleave(2)
-    torch.testing.assert_close(next_logits(cache, ids[[0, 0], 11:], 11), full[[0, 0], 11], atol=ATOL, rtol=0)
-
-    cache = ours(ids[:, :11]).past_key_values
-    snapshot = copy.deepcopy(cache)
-    next_logits(cache, ids[:, 11:], 11)
-    assert (cache.get_seq_length(), snapshot.get_seq_length()) == (12, 11)
-    torch.testing.assert_close(next_logits(snapshot, ids[:, 11:], 11), full[:, 11], atol=ATOL, rtol=0)
-
+    cache, full = check_reorder_repeat_and_deepcopy(ours, ids)
     cache.crop(12)  # its own length: nothing to undo
     with pytest.raises(ValueError, match="cannot crop a state-space"):
         cache.crop(5)
