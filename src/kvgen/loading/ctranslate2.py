@@ -231,30 +231,31 @@ def _linear(model: CTranslate2Model, ct2: str, hf: str) -> dict[str, torch.Tenso
     return {f"{hf}.weight": model[f"{ct2}/weight"], f"{hf}.bias": model[f"{ct2}/bias"]}
 
 
+def _self_attention_and_ffn(model: CTranslate2Model, ct2: str, hf: str) -> dict[str, torch.Tensor]:
+    """The parts every Whisper layer has: self-attention, the feed-forward block and their norms."""
+    state = _attention(model, f"{ct2}/self_attention", f"{hf}.self_attn", "qkv")
+    state.update(_norm(model, f"{ct2}/self_attention/layer_norm", f"{hf}.self_attn_layer_norm"))
+    state.update(_linear(model, f"{ct2}/ffn/linear_0", f"{hf}.fc1"))
+    state.update(_linear(model, f"{ct2}/ffn/linear_1", f"{hf}.fc2"))
+    state.update(_norm(model, f"{ct2}/ffn/layer_norm", f"{hf}.final_layer_norm"))
+    return state
+
+
 def _whisper_state_dict(model: CTranslate2Model, encoder_layers: int, decoder_layers: int) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for conv in ("conv1", "conv2"):
         state.update(_linear(model, f"encoder/{conv}", f"model.encoder.{conv}"))
     state["model.encoder.embed_positions.weight"] = model["encoder/position_encodings/encodings"]
     for i in range(encoder_layers):
-        ct2, hf = f"encoder/layer_{i}", f"model.encoder.layers.{i}"
-        state.update(_attention(model, f"{ct2}/self_attention", f"{hf}.self_attn", "qkv"))
-        state.update(_norm(model, f"{ct2}/self_attention/layer_norm", f"{hf}.self_attn_layer_norm"))
-        state.update(_linear(model, f"{ct2}/ffn/linear_0", f"{hf}.fc1"))
-        state.update(_linear(model, f"{ct2}/ffn/linear_1", f"{hf}.fc2"))
-        state.update(_norm(model, f"{ct2}/ffn/layer_norm", f"{hf}.final_layer_norm"))
+        state.update(_self_attention_and_ffn(model, f"encoder/layer_{i}", f"model.encoder.layers.{i}"))
     state.update(_norm(model, "encoder/layer_norm", "model.encoder.layer_norm"))
     state["model.decoder.embed_tokens.weight"] = model["decoder/embeddings/weight"]
     state["model.decoder.embed_positions.weight"] = model["decoder/position_encodings/encodings"]
     for i in range(decoder_layers):
         ct2, hf = f"decoder/layer_{i}", f"model.decoder.layers.{i}"
-        state.update(_attention(model, f"{ct2}/self_attention", f"{hf}.self_attn", "qkv"))
-        state.update(_norm(model, f"{ct2}/self_attention/layer_norm", f"{hf}.self_attn_layer_norm"))
+        state.update(_self_attention_and_ffn(model, ct2, hf))
         state.update(_attention(model, f"{ct2}/attention", f"{hf}.encoder_attn", "kv"))
         state.update(_norm(model, f"{ct2}/attention/layer_norm", f"{hf}.encoder_attn_layer_norm"))
-        state.update(_linear(model, f"{ct2}/ffn/linear_0", f"{hf}.fc1"))
-        state.update(_linear(model, f"{ct2}/ffn/linear_1", f"{hf}.fc2"))
-        state.update(_norm(model, f"{ct2}/ffn/layer_norm", f"{hf}.final_layer_norm"))
     state.update(_norm(model, "decoder/layer_norm", "model.decoder.layer_norm"))
     if model.aliases.get("decoder/projection/weight") != "decoder/embeddings/weight":
         state["proj_out.weight"] = model["decoder/projection/weight"]
