@@ -107,9 +107,9 @@ def measure(model, hf, ids, steps: int) -> dict:
     for _ in range(steps):
         for r in runners:
             r.step()
-    base = statistics.median(runners[0].times)
-    return {r.name: {"tokens_per_s": 1 / statistics.median(r.times), "median_step_s": statistics.median(r.times),
-                     "vs_dynamic": base / statistics.median(r.times),
+    medians = {r.name: statistics.median(r.times) for r in runners}
+    return {r.name: {"tokens_per_s": 1 / medians[r.name], "median_step_s": medians[r.name],
+                     "vs_dynamic": medians["dynamic"] / medians[r.name],
                      "cache_bytes": r.cache.nbytes() if hasattr(r.cache, "nbytes") else None} for r in runners}
 
 
