@@ -13,7 +13,7 @@ under four ways of handling the past:
 
 Perplexities are compared block by block (1024 predicted tokens each), since the text's own
 difficulty varies along the stream. Writes ``benchmarks/results/streaming.json`` and a plot,
-``benchmarks/results/streaming.png`` (drawn by a small dependency-free PNG writer below).
+``benchmarks/results/streaming.png`` (matplotlib, the ``kvgen[bench]`` extra).
 
     python benchmarks/streaming.py                       # 20 blocks (20,480 tokens), 2 threads
     python benchmarks/streaming.py --blocks 4 --dense-blocks 2 --out /tmp/s   # a quick look
@@ -25,10 +25,8 @@ import argparse
 import json
 import math
 import os
-import struct
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import torch
@@ -96,115 +94,32 @@ def segment_curve(nll: torch.Tensor, size: int = 128) -> list[float | None]:
     return [None if seg.isnan().any() else round(seg.mean().item(), 4) for seg in nll.split(size)]
 
 
-# -- a tiny PNG writer -----------------------------------------------------------------------------------
-
-_FONT = {  # 3x5 glyphs, rows top to bottom
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001010010010",
-    "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "-": "000000111000000",
-    " ": "000000000000000", "(": "010100100100010", ")": "010001001001010", "/": "001001010100100",
-    "=": "000111000111000", ",": "000000000010100", ":": "000010000010000", "%": "101001010100101",
-    "A": "010101111101101", "B": "110101110101110", "C": "011100100100011", "D": "110101101101110",
-    "E": "111100110100111", "F": "111100110100100", "G": "011100101101011", "H": "101101111101101",
-    "I": "111010010010111", "K": "101101110101101", "L": "100100100100111", "M": "101111111101101",
-    "N": "110101101101101", "O": "010101101101010", "P": "110101110100100", "R": "110101110101101",
-    "S": "011100010001110", "T": "111010010010010", "U": "101101101101111", "V": "101101101101010",
-    "W": "101101111111101", "X": "101101010101101", "Y": "101101010010010", "Z": "111001010100111",
-    "J": "001001001101010", "Q": "010101101110011", "+": "000010111010000",
-}
-
-
-class Canvas:
-    """An RGB raster with lines, rectangles and 3x5-pixel text, saved as PNG."""
-
-    def __init__(self, width: int, height: int, background=(255, 255, 255)):
-        self.width, self.height = width, height
-        self.pixels = bytearray(bytes(background) * (width * height))
-
-    def dot(self, x: int, y: int, color) -> None:
-        if 0 <= x < self.width and 0 <= y < self.height:
-            i = 3 * (y * self.width + x)
-            self.pixels[i:i + 3] = bytes(color)
-
-    def rect(self, x0, y0, x1, y1, color) -> None:
-        for y in range(int(y0), int(y1) + 1):
-            for x in range(int(x0), int(x1) + 1):
-                self.dot(x, y, color)
-
-    def line(self, x0, y0, x1, y1, color, width: int = 1, dash: int = 0) -> None:
-        steps = int(max(abs(x1 - x0), abs(y1 - y0), 1))
-        for i in range(steps + 1):
-            if dash and (i // dash) % 2:
-                continue
-            x, y = round(x0 + (x1 - x0) * i / steps), round(y0 + (y1 - y0) * i / steps)
-            self.rect(x - width // 2, y - width // 2, x + (width - 1) // 2, y + (width - 1) // 2, color)
-
-    def text(self, x: int, y: int, s: str, color=(0, 0, 0), scale: int = 2) -> None:
-        for ch in s.upper():
-            glyph = _FONT.get(ch, _FONT[" "])
-            for i, bit in enumerate(glyph):
-                if bit == "1":
-                    self.rect(x + (i % 3) * scale, y + (i // 3) * scale,
-                              x + (i % 3 + 1) * scale - 1, y + (i // 3 + 1) * scale - 1, color)
-            x += 4 * scale
-
-    def save(self, path: Path) -> None:
-        rows = b"".join(b"\x00" + bytes(self.pixels[3 * y * self.width:3 * (y + 1) * self.width])
-                        for y in range(self.height))  # filter type 0 on every row
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)  # 8-bit RGB
-        path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows, 9))
-                         + chunk(b"IEND", b""))
-
-
-COLORS = {"recompute": (0, 0, 0), "sink": (214, 39, 40), "window": (31, 119, 180), "dense": (44, 160, 44)}
+COLORS = {"recompute": "black", "sink": "tab:red", "window": "tab:blue", "dense": "tab:green"}
 
 
 def plot(blocks: dict[str, list[float | None]], labels: dict[str, str], trained_context: int, path: Path) -> None:
-    """Block perplexity (log scale) against tokens streamed, one line per method."""
-    c = Canvas(900, 540)
-    left, right, top, bottom = 70, 880, 80, 480
+    """Block perplexity (log scale) against tokens streamed, one line per method (matplotlib, ``kvgen[bench]``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.4))
     n = len(blocks["recompute"])
-    values = [v for series in blocks.values() for v in series if v]
-    lo, hi = math.log10(min(values) * 0.9), math.log10(max(values) * 1.1)
-
-    def xy(b, v):
-        return left + (right - left) * (b + 0.5) / n, bottom - (bottom - top) * (math.log10(v) - lo) / (hi - lo)
-
-    c.text(left, 12, "STREAMING KJV THROUGH SMOLLM2-135M: PERPLEXITY PER 1024-TOKEN BLOCK")
-    c.line(left, bottom, right, bottom, (0, 0, 0))
-    c.line(left, top, left, bottom, (0, 0, 0))
-    last_y = None
-    for tick in (1, 2, 3, 4, 5, 6, 8, 10, 12, 15, 20, 30, 40, 50, 70, 100, 150, 200, 300, 500, 700, 1000, 2000, 5000):
-        _, y = xy(0, tick)
-        if lo <= math.log10(tick) <= hi and (last_y is None or last_y - y >= 16):
-            last_y = y
-            c.line(left - 5, y, right, y, (225, 225, 225))
-            c.line(left - 5, y, left, y, (0, 0, 0))
-            c.text(left - 12 - 8 * len(str(tick)), int(y) - 5, str(tick))
-    for b in range(0, n + 1, 2 if n > 10 else 1):
-        x = left + (right - left) * b / n
-        c.line(x, bottom, x, bottom + 5, (0, 0, 0))
-        c.text(int(x) - 8 * len(f"{b}K") // 2, bottom + 10, f"{b}K")
-    c.text((left + right) // 2 - 100, bottom + 32, "TOKENS STREAMED (1K = 1024)")
-    c.text(8, top - 16, "PPL (LOG)")
+    for name, series in blocks.items():
+        points = [(b + 0.5, v) for b, v in enumerate(series) if v]
+        ax.plot(*zip(*points), marker="s", color=COLORS[name], label=labels[name])
     if trained_context < n * BLOCK:
-        x_ctx = left + (right - left) * trained_context / (n * BLOCK)
-        c.line(x_ctx, top, x_ctx, bottom, (150, 150, 150), dash=6)
-        c.text(int(x_ctx) + 6, top + 4, f"TRAINED CONTEXT {trained_context}", (120, 120, 120))
-    for i, (name, series) in enumerate(blocks.items()):
-        points = [xy(b, v) for b, v in enumerate(series) if v]
-        for (x0, y0), (x1, y1) in zip(points, points[1:]):
-            c.line(x0, y0, x1, y1, COLORS[name], width=2)
-        for x, y in points:
-            c.rect(x - 3, y - 3, x + 3, y + 3, COLORS[name])
-        lx, ly = left + 200 * i, 36
-        c.rect(lx, ly + 2, lx + 14, ly + 8, COLORS[name])
-        c.text(lx + 20, ly, labels[name], COLORS[name])
-    c.save(path)
+        ax.axvline(trained_context / BLOCK, color="gray", linestyle="--", label=f"trained context {trained_context}")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens streamed (1K = 1024)")
+    ax.set_ylabel("perplexity per 1024-token block")
+    ax.set_xticks(range(0, n + 1, 2 if n > 10 else 1), [f"{b}K" for b in range(0, n + 1, 2 if n > 10 else 1)])
+    ax.set_title("Streaming KJV through SmolLM2-135M")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 # -- main ------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Shared fixtures: the real default model (SmolLM2-135M-Instruct, converted once per machine)."""
+"""Shared fixtures: the real default model (SmolLM2-135M-Instruct), in float32 (converted once per machine)
+and as the CLI runs it (the GGUF's stored types)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,13 @@ def smollm(default_model_dir):
 
     model = kvgen.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     return model, kvgen.AutoTokenizer.from_pretrained(default_model_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf():
+    """The default model as ``kvgen generate`` loads it: the GGUF, weights in their stored types."""
+    import kvgen
+    from kvgen.loading.default_model import default_gguf_path
+
+    path = default_gguf_path()
+    return kvgen.AutoModelForCausalLM.from_pretrained(path), kvgen.AutoTokenizer.from_pretrained(path)

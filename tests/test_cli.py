@@ -17,7 +17,8 @@ import kvgen.cli
 from kvgen.cli import DEFAULT_PROMPT, main
 
 STATS = re.compile(r"^\[kvgen\] cache=(\w+) prompt_tokens=(\d+) new_tokens=(\d+) prefill_s=(\d+\.\d+) "
-                   r"decode_tok_per_s=(\d+\.\d+) cache_bytes=(\d+)$")
+                   r"prompt_tok_per_s=(\d+\.\d+) decode_tok_per_s=(\d+\.\d+) weights=([\w+/]+) "
+                   r"peak_rss_mb=(\d+) cache_bytes=(\d+)$")
 
 
 def continuation(model, tokenizer, inputs, max_new_tokens):
@@ -34,18 +35,20 @@ def chat_inputs(tokenizer, messages):
 def parse_stats(line):
     match = STATS.match(line)
     assert match, f"not a stats line: {line!r}"
-    cache, prompt_tokens, new_tokens, prefill_s, decode, cache_bytes = match.groups()
-    assert float(prefill_s) > 0 and float(decode) > 0
+    cache, prompt_tokens, new_tokens, prefill_s, prompt_speed, decode, weights, rss, cache_bytes = match.groups()
+    assert float(prefill_s) > 0 and float(decode) > 0 and int(rss) > 0
+    assert float(prompt_speed) == pytest.approx(int(prompt_tokens) / float(prefill_s), rel=0.01, abs=0.1)
+    assert weights == "Q8_0+Q4_1"  # the default GGUF runs in its stored types
     return cache, int(prompt_tokens), int(new_tokens), int(cache_bytes)
 
 
-def test_generate_with_the_default_prompt(smollm, capsys):
-    model, tokenizer = smollm
+def test_generate_with_the_default_prompt(smollm_gguf, capsys):
+    model, tokenizer = smollm_gguf
     assert main(["generate", "--max-new-tokens", "6"]) == 0
     text, stats = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
     inputs = tokenizer(DEFAULT_PROMPT, return_tensors="pt")
     expected, new = continuation(model, tokenizer, inputs, 6)
-    assert text == expected
+    assert text == DEFAULT_PROMPT + expected  # the prompt, then the continuation
     cache, prompt_tokens, new_tokens, cache_bytes = parse_stats(stats)
     assert (cache, prompt_tokens, new_tokens) == ("DynamicCache", inputs["input_ids"].shape[1], new)
     config = model.config
@@ -60,8 +63,8 @@ def test_cache_config_option_parses_numbers_booleans_and_names():
         main(["generate", "--cache", "quantized", "--cache-config", "nbits"])
 
 
-def test_generate_with_a_quantized_cache_config(smollm, capsys):
-    model, tokenizer = smollm
+def test_generate_with_a_quantized_cache_config(smollm_gguf, capsys):
+    model, tokenizer = smollm_gguf
     argv = ["generate", "--cache", "quantized", "--cache-config", "backend=kivi,nbits=2,residual_length=4,q_group_size=4",
             "--max-new-tokens", "12"]
     assert main(argv) == 0
@@ -70,13 +73,14 @@ def test_generate_with_a_quantized_cache_config(smollm, capsys):
     out = model.generate(**inputs, max_new_tokens=12, do_sample=False, cache_implementation="quantized",
                          cache_config={"backend": "kivi", "nbits": 2, "residual_length": 4, "q_group_size": 4},
                          return_dict_in_generate=True)
-    assert text == tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert text == DEFAULT_PROMPT + tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:],
+                                                     skip_special_tokens=True)
     cache, prompt_tokens, new_tokens, cache_bytes = parse_stats(stats)
     assert (cache, cache_bytes) == ("QuantizedCache", out.past_key_values.nbytes())  # the settings reached it
 
 
-def test_generate_static_chat_stream(smollm, capsys, monkeypatch):
-    model, tokenizer = smollm
+def test_generate_static_chat_stream(smollm_gguf, capsys, monkeypatch):
+    model, tokenizer = smollm_gguf
     monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")
     question = "What is the capital of France?"
     argv = ["generate", question, "--cache", "static", "--chat", "--stream", "--max-new-tokens", "8"]
@@ -84,7 +88,7 @@ def test_generate_static_chat_stream(smollm, capsys, monkeypatch):
     text, stats = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
     inputs = chat_inputs(tokenizer, [{"role": "user", "content": question}])
     expected, new = continuation(model, tokenizer, inputs, 8)
-    assert text == expected and "Paris" in text
+    assert text == question + expected and "Paris" in expected
     cache, prompt_tokens, new_tokens, cache_bytes = parse_stats(stats)
     assert (cache, prompt_tokens, new_tokens) == ("StaticCache", inputs["input_ids"].shape[1], new)
     config = model.config  # preallocated: every layer's keys and values for prompt + max_new_tokens slots
@@ -92,8 +96,8 @@ def test_generate_static_chat_stream(smollm, capsys, monkeypatch):
     assert cache_bytes == config.num_hidden_layers * 2 * config.num_key_value_heads * slots * config.head_dim * 4
 
 
-def test_generate_stream_prints_as_it_goes(smollm, capsys, monkeypatch):
-    model, tokenizer = smollm
+def test_generate_stream_prints_as_it_goes(smollm_gguf, capsys, monkeypatch):
+    model, tokenizer = smollm_gguf
     pieces = []
     real = kvgen.cli._text_streamer
 
@@ -104,10 +108,10 @@ def test_generate_stream_prints_as_it_goes(smollm, capsys, monkeypatch):
         return streamer
 
     monkeypatch.setattr(kvgen.cli, "_text_streamer", recording)
-    assert main(["generate", "--stream", "--max-new-tokens", "10"]) == 0
+    assert main(["generate", "--max-new-tokens", "10"]) == 0  # streaming is the default
     text = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0]
     expected, _ = continuation(model, tokenizer, tokenizer(DEFAULT_PROMPT, return_tensors="pt"), 10)
-    assert text == expected
+    assert text == DEFAULT_PROMPT + expected
     assert len([p for p in pieces if p]) > 2  # printed word by word, not once at the end
 
 
@@ -126,7 +130,7 @@ def test_chat_reuses_the_cache_across_turns(smollm, capsys, monkeypatch):
         lambda module, args, kwargs: fed.append((args[0] if args else kwargs["input_ids"]).shape[1]),
         with_kwargs=True)
     monkeypatch.setattr("builtins.input", fake_input)
-    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    monkeypatch.setattr(kvgen.cli, "load", lambda *args: (model, tokenizer))
     try:
         assert main(["chat", "--max-new-tokens", "12"]) == 0
     finally:
@@ -168,6 +172,7 @@ def test_bench_writes_rows_for_kvgen_and_transformers(tiny_checkpoint, tmp_path,
             "--caches", "dynamic,static", "--output", str(output)]
     assert main(argv) == 0
     assert f"wrote {output}" in capsys.readouterr().out
+    assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the chart beside the JSON
     rows = json.loads(output.read_text())["rows"]
     assert sorted((r["impl"], r["cache"]) for r in rows) == [
         ("kvgen", "dynamic"), ("kvgen", "static"), ("transformers", "dynamic"), ("transformers", "static")]
@@ -196,7 +201,7 @@ def test_transcribe_prints_the_transcript_with_the_packaged_tiny_en(tmp_path, ca
 
 def test_prompt_cache_is_saved_then_reused_by_a_prompt_with_the_same_prefix(smollm, capsys, monkeypatch, tmp_path):
     model, tokenizer = smollm
-    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    monkeypatch.setattr(kvgen.cli, "load", lambda *args: (model, tokenizer))
     fed = []
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: fed.append((args[0] if args else kwargs["input_ids"]).shape[1]),
@@ -219,20 +224,25 @@ def test_prompt_cache_is_saved_then_reused_by_a_prompt_with_the_same_prefix(smol
     assert prefix_tokens - 2 <= reused <= prefix_tokens  # (a word at the seam may tokenize differently)
     assert fed[0] == inputs["input_ids"].shape[1] - reused  # only the unseen tokens were prefilled
     expected, _ = continuation(model, tokenizer, inputs, 6)
-    assert lines[0] == expected  # the same text as a run without the prompt cache
+    assert lines[0] == prompt + expected  # the same text as a run without the prompt cache
 
 
 def test_prompt_cache_from_another_model_is_refused(smollm, tiny_checkpoint, capsys, monkeypatch, tmp_path):
     from kvgen.cache.fingerprint import CacheModelMismatchError
 
     model, tokenizer = smollm
-    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    monkeypatch.setattr(kvgen.cli, "load", lambda *args: (model, tokenizer))
     file = tmp_path / "prefix.safetensors"
     assert main(["generate", "Hello there", "--prompt-cache", str(file), "--max-new-tokens", "2"]) == 0
     other = kvgen.AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
-    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (other, tokenizer))
-    with pytest.raises(CacheModelMismatchError):
+    monkeypatch.setattr(kvgen.cli, "load", lambda *args: (other, tokenizer))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
         main(["generate", "Hello there", "--prompt-cache", str(file), "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code != 0 and err.startswith("kvgen: error: ") and err.count("\n") == 1
+    with pytest.raises(CacheModelMismatchError):  # --verbose: the exception itself, with its traceback
+        main(["generate", "Hello there", "--prompt-cache", str(file), "--max-new-tokens", "2", "--verbose"])
 
 
 def run_chat(turns, argv, monkeypatch):
@@ -250,7 +260,7 @@ def run_chat(turns, argv, monkeypatch):
 
 def test_chat_save_then_load_resumes_the_conversation(smollm, capsys, monkeypatch, tmp_path):
     model, tokenizer = smollm
-    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    monkeypatch.setattr(kvgen.cli, "load", lambda *args: (model, tokenizer))
     file = tmp_path / "chat.safetensors"
     assert run_chat(["What is the capital of France?"], ["--save", str(file)], monkeypatch) == 0
     first = capsys.readouterr().out.strip()
@@ -268,7 +278,7 @@ def test_chat_save_then_load_resumes_the_conversation(smollm, capsys, monkeypatc
                                           ("sink", "window_length=48,num_sink_tokens=4")])
 def test_chat_keeps_one_cache_of_every_kind_across_turns(smollm, capsys, monkeypatch, cache, config):
     model, tokenizer = smollm
-    monkeypatch.setattr(kvgen.cli, "load", lambda name, dtype: (model, tokenizer))
+    monkeypatch.setattr(kvgen.cli, "load", lambda *args: (model, tokenizer))
     turns = ["What is the capital of France?", "And of Italy?", "And of Spain?"]
     argv = ["--cache", cache, "--max-cache-len", "256"] + (["--cache-config", config] if config else [])
     assert run_chat(turns, argv, monkeypatch) == 0
@@ -281,3 +291,29 @@ def test_chat_keeps_one_cache_of_every_kind_across_turns(smollm, capsys, monkeyp
         assert capsys.readouterr().out.strip().splitlines() == replies
     else:
         assert "Paris" in replies[0] and "Rome" in replies[1]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf does not exist"),
+    (["generate", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1, not 0"),
+    (["generate", "--cache", "quantized", "--cache-config", "nbits=3"], "nbits"),
+    (["chat", "--load", "/nonexistent/chat.safetensors"], "is missing; --load takes a file written by --save"),
+])
+def test_errors_print_one_line_and_exit_non_zero(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr("builtins.input", lambda prompt="": "")
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code != 0
+    assert err.startswith("kvgen: error: ") and err.count("\n") == 1 and message in err, err
+
+
+def test_a_truncated_gguf_is_one_clear_line(tmp_path, capsys):
+    from kvgen.loading.default_model import default_gguf_path
+
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(default_gguf_path().read_bytes()[:5_000_000])
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(truncated)])
+    err = capsys.readouterr().err
+    assert err.startswith("kvgen: error: ") and err.count("\n") == 1 and "corrupt or truncated" in err, err

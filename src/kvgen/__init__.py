@@ -17,6 +17,7 @@ from kvgen.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCau
                                 Qwen3ForCausalLM)
 from kvgen.models.mamba import MambaConfig, MambaForCausalLM
 from kvgen.models.whisper import WhisperForConditionalGeneration
+from kvgen.quantization import TorchAoConfig
 from kvgen.tokenizer import AutoTokenizer, BatchEncoding, PreTrainedTokenizerFast
 
 __all__ = [
@@ -28,6 +29,6 @@ __all__ = [
     "OffloadedCache", "OffloadedStaticCache", "Phi3ForCausalLM", "PreTrainedTokenizerFast", "PretrainedConfig",
     "QuantizedCache", "QuantizedCacheConfig", "QuantoQuantizedCache", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "SinkCache", "SinkLayer", "SlidingWindowCache", "SlidingWindowLayer", "StaticCache", "StaticLayer",
-    "StaticSinkCache", "StaticSinkLayer", "TextStreamer", "WhisperFeatureExtractor", "WhisperForConditionalGeneration",
+    "StaticSinkCache", "StaticSinkLayer", "TextStreamer", "TorchAoConfig", "WhisperFeatureExtractor", "WhisperForConditionalGeneration",
     "WhisperProcessor", "cache_implementations", "enable_offloading", "infer_device", "load_cache",
 ]

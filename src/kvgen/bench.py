@@ -296,7 +296,37 @@ def run_bench(args) -> int:
     output.write_text(json.dumps({"threads": args.threads,
                                   "torch": torch.__version__, "rows": rows}, indent=1))
     print(f"wrote {output}")
+    try:
+        chart(rows, output.with_suffix(".png"))
+        print(f"wrote {output.with_suffix('.png')}")
+    except ImportError:
+        print("no chart: matplotlib is missing (pip install 'kvgen[bench]')")
     return 0
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    """Decode tok/s of each configuration, one bar per implementation (matplotlib, the ``kvgen[bench]`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "error" not in r]
+    keys = list(dict.fromkeys((r["cache"], r["prompt"], r["batch"]) for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    speed = {(r["impl"], r["cache"], r["prompt"], r["batch"]): r["decode_tok_s"] for r in rows}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(keys)), 4))
+    width = 0.8 / max(len(impls), 1)
+    for i, impl in enumerate(impls):
+        ax.bar([k + i * width for k in range(len(keys))], [speed.get((impl, *key), 0) for key in keys], width,
+               label=impl)
+    ax.set_xticks([k + width * (len(impls) - 1) / 2 for k in range(len(keys))],
+                  [f"{c}\nprompt {p}\nbatch {b}" for c, p, b in keys], fontsize=8)
+    ax.set_ylabel("decode tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _print_summary(rows: list[dict]) -> None:

@@ -18,16 +18,23 @@ from pathlib import Path
 DEFAULT_PROMPT = "Once upon a time, there was a little"
 
 
-def load(model: str | None, dtype: str):
-    """Model and tokenizer from a folder, hub id or .gguf file; the packaged default when None."""
-    from kvgen import AutoModelForCausalLM
+def load(model: str | None, dtype: str | None, quantize: str | None = None, group_size: int = 32):
+    """Model and tokenizer from a folder, hub id or .gguf file; the packaged default GGUF when None.
+
+    ``dtype`` None keeps a GGUF's weights in their stored types (float checkpoints load in
+    float32); ``quantize`` ("int8" / "int4") quantizes linear layers at load.
+    """
+    from kvgen import AutoModelForCausalLM, TorchAoConfig
     from kvgen.tokenizer import AutoTokenizer
 
     if model is None:
-        from kvgen.loading.default_model import default_model_dir
+        from kvgen.loading.default_model import default_gguf_path
 
-        model = str(default_model_dir())
-    return (AutoModelForCausalLM.from_pretrained(model, dtype=dtype),
+        model = str(default_gguf_path())
+    if not Path(model).exists() and (model.endswith(".gguf") or model.startswith((".", "/", "~"))):
+        raise FileNotFoundError(f"model path {model} does not exist")
+    quantization = None if quantize is None else TorchAoConfig(f"{quantize}_weight_only", group_size=group_size)
+    return (AutoModelForCausalLM.from_pretrained(model, dtype=dtype, quantization_config=quantization),
             AutoTokenizer.from_pretrained(model))
 
 
@@ -89,14 +96,23 @@ def _make_cache(model, name: str, cache_config, max_cache_len: int):
                         dtype=model.dtype, cache_config=cache_config)
 
 
-def _stats_line(cache, prompt_tokens: int, new_tokens: int, clock: _Clock) -> str:
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports kB
+
+
+def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: _Clock) -> str:
+    prefill = clock.prefill_seconds()
     return (f"[kvgen] cache={type(cache).__name__} prompt_tokens={prompt_tokens} new_tokens={new_tokens} "
-            f"prefill_s={clock.prefill_seconds():.3f} decode_tok_per_s={clock.decode_tokens_per_second():.2f} "
-            f"cache_bytes={cache.nbytes()}")
+            f"prefill_s={prefill:.3f} prompt_tok_per_s={prompt_tokens / prefill:.1f} "
+            f"decode_tok_per_s={clock.decode_tokens_per_second():.2f} weights={model.weight_format} "
+            f"peak_rss_mb={peak_rss_mb():.0f} cache_bytes={cache.nbytes()}")
 
 
 def cmd_generate(args) -> int:
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size)
     prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.chat:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -104,7 +120,8 @@ def cmd_generate(args) -> int:
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
     prompt_tokens = inputs["input_ids"].shape[1]
-    clock = _Clock(tokenizer if args.stream else None)  # (time to first token includes loading a prompt cache)
+    print(prompt, end="", flush=True)  # then the continuation, token by token
+    clock = _Clock(tokenizer)  # (time to first token includes loading a prompt cache)
     prompt_cache = Path(args.prompt_cache) if args.prompt_cache else None
     reused = 0
     if prompt_cache is not None and prompt_cache.exists():
@@ -117,17 +134,15 @@ def cmd_generate(args) -> int:
     out = model.generate(**inputs.to(model.device), past_key_values=cache, max_new_tokens=args.max_new_tokens,
                          do_sample=args.do_sample, temperature=args.temperature, streamer=clock)
     new = out[0, prompt_tokens:]
-    if not args.stream:
-        print(tokenizer.decode(new, skip_special_tokens=True))
-    print(_stats_line(cache, prompt_tokens, new.shape[0], clock))
+    print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock))
     if prompt_cache is not None:
         saved = not prompt_cache.exists()
         if saved:  # first use: keep the prompt's keys and values (not the reply's) for later runs
             try:
                 cache.crop(prompt_tokens)
             except ValueError as e:
-                raise SystemExit(f"kvgen generate: --prompt-cache cannot keep this {type(cache).__name__}'s prompt "
-                                 f"({e}); use a cache that can be cropped, e.g. --cache dynamic") from None
+                raise ValueError(f"--prompt-cache cannot keep this {type(cache).__name__}'s prompt ({e}); use a cache "
+                                 "that can be cropped, e.g. --cache dynamic") from None
             cache.save(prompt_cache, model=model)
         print(f"[kvgen] prompt_cache={'saved' if saved else 'loaded'} reused_tokens={reused} "
               f"time_to_first_token_s={clock.prefill_seconds():.3f}")
@@ -159,13 +174,13 @@ def _messages_file(path: Path) -> Path:
 
 
 def cmd_chat(args) -> int:
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size)
     if args.load:
         from kvgen.cache.persist import load_cache
 
         path = Path(args.load)
         if not _messages_file(path).exists():
-            raise SystemExit(f"kvgen chat: {_messages_file(path)} is missing; --load takes a file written by --save")
+            raise FileNotFoundError(f"{_messages_file(path)} is missing; --load takes a file written by --save")
         cache = load_cache(path, model=model)
         messages = json.loads(_messages_file(path).read_text(encoding="utf-8"))
         print(f"[kvgen] loaded {len(messages)} messages, cache_tokens={cache.get_seq_length()}", file=sys.stderr)
@@ -208,22 +223,27 @@ def cmd_bench(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from kvgen.cache import cache_implementations
 
-    parser = argparse.ArgumentParser(prog="kvgen", description="Key-value-cached text generation")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="kvgen", description="Key-value-cached text generation")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def common(p):
         p.add_argument("--model", help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
         p.add_argument("--cache", default="dynamic", choices=cache_implementations(), help="cache implementation")
         p.add_argument("--cache-config", type=parse_cache_config, default=None, metavar="KEY=VALUE,...",
                        help="settings of the cache, e.g. backend=kivi,nbits=2 for --cache quantized")
-        p.add_argument("--max-new-tokens", type=int, default=30)
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        p.add_argument("--max-new-tokens", type=_positive_int, default=30)
+        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="compute and weight dtype (default: a GGUF's weights stay in their stored types, "
+                            "float checkpoints load in float32)")
+        p.add_argument("--quantize", choices=["int8", "int4"], help="quantize linear layers at load")
+        p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="int4 group size")
+        p.add_argument("--verbose", action="store_true", help="show a traceback on errors")
 
     g = sub.add_parser("generate", help="continue a prompt and print stats")
     g.add_argument("prompt", nargs="?", help=f"text to continue (default: {DEFAULT_PROMPT!r})")
     common(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--stream", action="store_true", help="print tokens as they come")
+    g.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)  # streaming is the default now
     g.add_argument("--do-sample", action="store_true")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--prompt-cache", metavar="FILE",
@@ -265,9 +285,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as for every other error
+        raise SystemExit(_fail(f"{self.prog.split()[-1]}: {message}"))
+
+
+def _fail(message: str) -> int:
+    print(f"kvgen: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a ``kvgen`` command; an error prints one line ``kvgen: error: ...`` and exits non-zero
+    (``--verbose``: the traceback too)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as error:
+        if getattr(args, "verbose", False):
+            raise
+        raise SystemExit(_fail(" ".join(str(error).split()) or type(error).__name__)) from None
 
 
 if __name__ == "__main__":

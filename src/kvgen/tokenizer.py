@@ -551,6 +551,32 @@ def _load_gguf(path: Path, **overrides: Any) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(backend, **{**kwargs, **overrides})
 
 
+def _load_gguf_cached(path: Path, **overrides: Any) -> PreTrainedTokenizerFast:
+    """:func:`_load_gguf`, built once per file and then read from kvgen's cache as ``tokenizer.json``."""
+    import shutil
+    import tempfile
+
+    from kvgen.loading.gguf_index import cache_folder
+
+    folder = cache_folder(path) / "tokenizer"
+    if not (folder / "tokenizer.json").is_file():
+        tokenizer = _load_gguf(path)
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".tokenizer-", dir=folder.parent))
+            tokenizer.save_pretrained(staging)
+            try:
+                staging.rename(folder)
+            except OSError:  # another process finished first
+                shutil.rmtree(staging, ignore_errors=True)
+        except OSError:  # a read-only cache: build it every time
+            return _load_gguf(path, **overrides)
+    saved = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    flags = {key: saved[key] for key in ("add_bos_token", "add_eos_token") if key in saved}  # explicit in the GGUF
+    return PreTrainedTokenizerFast(tokenizer_file=folder / "tokenizer.json", **{
+        **_read_folder_config(folder), **flags, "name_or_path": str(path), **overrides})
+
+
 class AutoTokenizer:
     """Entry point mirroring ``transformers.AutoTokenizer``.
 
@@ -573,13 +599,13 @@ class AutoTokenizer:
         if gguf_file is None and path.suffix == ".gguf":
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-            return _load_gguf(path, **overrides)
+            return _load_gguf_cached(path, **overrides)
         folder = resolve_model_dir(pretrained_model_name_or_path, revision=revision)
         if gguf_file is not None:
             if not (folder / gguf_file).is_file():
                 raise FileNotFoundError(f"GGUF file {gguf_file!r} not found in {str(folder)!r}; found "
                                         f"{sorted(p.name for p in folder.glob('*.gguf')) or 'no .gguf files'}")
-            return _load_gguf(folder / gguf_file, **overrides)
+            return _load_gguf_cached(folder / gguf_file, **overrides)
         if not (folder / "tokenizer.json").is_file():
             ggufs = sorted(p.name for p in folder.glob("*.gguf"))
             hint = f"; to use an embedded GGUF vocabulary pass gguf_file= one of {ggufs}" if ggufs else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch
 from gguf import GGUFReader, GGUFValueType, GGMLQuantizationType as Q
 from gguf.quants import dequantize as _numpy_dequantize
 from tqdm.auto import tqdm
+
+from kvgen.models.packed import FORMATS, PackedWeight, can_pack
 
 # -- reading ---------------------------------------------------------------------------------------
 
@@ -325,13 +328,28 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, dtype: to
     return config
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def _unpermute(w, n_head: int):
     """Undo llama.cpp's Q/K row permutation (``reverse_permute_weights`` in transformers).
 
     The converter interleaves the two rotary halves of every head; this restores HF's order.
+    ``w`` is a float tensor or a :class:`PackedWeight` (whose stored rows move as they are).
     """
-    # (rows, ...) -> (n_head, rows / n_head / 2, 2, ...) -> (n_head, 2, rows / n_head / 2, ...) -> (rows, ...)
-    return w.reshape(n_head, -1, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    rows = w.shape[0]
+    # output row i is stored row index[i]: (n_head, rows / n_head / 2, 2) -> (n_head, 2, rows / n_head / 2)
+    index = torch.arange(rows).reshape(n_head, -1, 2).transpose(1, 2).reshape(rows)
+    return w.permute_rows(index) if isinstance(w, PackedWeight) else w[index]
+
+
+def _packed(tensor: Any) -> PackedWeight | None:
+    """The tensor as a :class:`PackedWeight` when kvgen's kernels run its type (2-D, whole blocks)."""
+    format, data = int(tensor.tensor_type), tensor.data
+    if tensor.tensor_type == Q.F32 or data.ndim != 2 or format not in FORMATS:
+        return None
+    in_features = int(tensor.shape[0])  # GGUF lists dims innermost first
+    if not can_pack(format, in_features):
+        return None
+    raw = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8))  # the file's bytes, mapped, not copied
+    return PackedWeight([(format, raw.reshape(data.shape[0], -1))], in_features)
 
 
 def _dequantize_tensor(tensor: Any, path: Path) -> torch.Tensor:
@@ -359,11 +377,14 @@ def _one_thread():
 
 
 def load_gguf(
-    path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = False
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    path: str | os.PathLike, dtype: torch.dtype = torch.float32, progress: bool = False, packed: bool = False
+) -> tuple[dict[str, Any], dict[str, torch.Tensor | PackedWeight]]:
     """Read a GGUF file into an HF ``config.json`` dict and a transformers-named state dict.
 
-    Quantised tensors are dequantised to float32, then cast to ``dtype``. Architectures:
+    Quantised tensors are dequantised to float32, then cast to ``dtype``; with ``packed=True``
+    the weight matrices stay in their stored types instead (:class:`PackedWeight` over the
+    file's mapped bytes), and types kvgen's kernels cannot run are dequantised with a one-line
+    warning. Architectures:
     llama (Llama, Mistral, SmolLM2), qwen2, qwen3, phi3, gemma2, gemma3 (text). ``progress`` shows a bar over tensors.
 
     Example:
@@ -371,10 +392,13 @@ def load_gguf(
         >>> config["num_hidden_layers"], state["model.norm.weight"].shape  # doctest: +SKIP
         (30, torch.Size([576]))
     """
+    from kvgen.loading.gguf_index import read_index
+
     path = Path(path)
-    reader = _open(path)
-    meta = {name: _field_value(field) for name, field in reader.fields.items()}
-    tensors = {t.name: t for t in reader.tensors}
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    meta, tensor_list = read_index(path, _open)
+    tensors = {t.name: t for t in tensor_list}
     config = _config(meta, tensors, path, dtype)
     arch = meta["general.architecture"]
     if "rope_freqs.weight" in tensors:
@@ -383,11 +407,16 @@ def load_gguf(
     if unknown:
         raise ValueError(f"{path}: tensors with no transformers equivalent for {arch!r}: {', '.join(unknown)}")
 
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, torch.Tensor | PackedWeight] = {}
     rope_factors: dict[str, list[float]] = {}
+    dequantized: set[str] = set()
     with _one_thread():
-        for tensor in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=not progress):
-            weight = _dequantize_tensor(tensor, path)
+        for tensor in tqdm(tensor_list, desc=f"Loading {path.name}", unit="tensor", disable=not progress):
+            weight = _packed(tensor) if packed else None
+            if weight is None:
+                if packed and tensor.tensor_type != Q.F32 and tensor.data.ndim == 2:
+                    dequantized.add(tensor.tensor_type.name)
+                weight = _dequantize_tensor(tensor, path)
             if tensor.name in _ROPE_FACTORS:
                 rope_factors[_ROPE_FACTORS[tensor.name]] = weight.tolist()
                 continue
@@ -397,7 +426,10 @@ def load_gguf(
                 weight = _unpermute(weight, config["num_key_value_heads"])
             elif arch in _GEMMA and tensor.name.endswith("norm.weight"):
                 weight = weight - 1  # llama.cpp stores Gemma's RMSNorm scale as 1 + weight
-            state[_hf_name(tensor.name, arch)] = weight.to(dtype)
+            state[_hf_name(tensor.name, arch)] = weight if isinstance(weight, PackedWeight) else weight.to(dtype)
+    if dequantized:
+        warnings.warn(f"{path.name}: kvgen has no kernel for {', '.join(sorted(dequantized))} weights; "
+                      "they are dequantized to float32 at load", stacklevel=2)
     if rope_factors:  # phi3 long-context ("longrope") models store their rope factors as tensors
         config["rope_scaling"] = {"rope_type": "longrope", **rope_factors}
         config["original_max_position_embeddings"] = meta.get(f"{arch}.rope.scaling.original_context_length")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,22 @@ class PreTrainedModel(nn.Module, GenerationMixin):
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype computations run in (weights kept in a stored format are not parameters)."""
         return next(self.parameters()).dtype
+
+    @property
+    def weight_format(self) -> str:
+        """How the weights are stored: ``"float32"``, ``"Q4_1+Q8_0"``, ``"int8"``, ...
+
+        Example:
+            >>> model.weight_format  # doctest: +SKIP
+            'Q4_1+Q8_0'
+        """
+        from kvgen.models.quantized_linear import _Packed
+
+        names = [m.weight.format_name for m in self.modules() if isinstance(m, _Packed)]
+        formats = dict.fromkeys(n for name in names for n in name.split("+"))
+        return "+".join(formats) if formats else str(self.dtype).removeprefix("torch.")
 
     @classmethod
     def convert_checkpoint(cls, state_dict: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
@@ -102,8 +118,15 @@ class PreTrainedModel(nn.Module, GenerationMixin):
     # -- loading -----------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, dtype=None, torch_dtype=None,
-                        device_map=None, gguf_file: str | None = None, revision: str = "main"):
-        """Load from an HF folder (single or sharded safetensors), a hub id, a GGUF file, or a CTranslate2 folder."""
+                        device_map=None, gguf_file: str | None = None, revision: str = "main",
+                        quantization_config=None):
+        """Load from an HF folder (single or sharded safetensors), a hub id, a GGUF file, or a CTranslate2 folder.
+
+        A GGUF file's weights stay in their stored types unless ``dtype`` is given (then they are
+        dequantized, as in transformers). ``quantization_config`` (a :class:`kvgen.TorchAoConfig`
+        or its dict) quantizes a float checkpoint's linear layers at load: int8 or int4.
+        """
+        from kvgen.quantization import parse_quantization_config
         from kvgen.loading.checkpoint import load_safetensors_state_dict, read_generation_config
         from kvgen.loading.ctranslate2 import is_ctranslate2_dir, load_ctranslate2_whisper
 
@@ -113,12 +136,19 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         path = Path(str(pretrained_model_name_or_path)).expanduser()
         if gguf_file is None and path.suffix == ".gguf":
             path, gguf_file = path.parent, path.name
+        quantization = parse_quantization_config(quantization_config)
         folder = resolve_model_dir(path, revision)
         generation = None
         if gguf_file is not None:
+            from kvgen.kernels import kernels_available, unavailable_reason
             from kvgen.loading.gguf import load_gguf
 
-            config_dict, state_dict = load_gguf(folder / gguf_file)
+            packed = dtype is None and quantization is None and parse_device_map(device_map).type == "cpu"
+            if packed and not kernels_available():
+                warnings.warn(f"kvgen's kernels are unavailable ({unavailable_reason()}); {gguf_file} is "
+                              "dequantized to float32", stacklevel=2)
+                packed = False
+            config_dict, state_dict = load_gguf(folder / gguf_file, packed=packed)
             config = PretrainedConfig.from_dict(config_dict)
         elif is_ctranslate2_dir(folder):  # a CTranslate2 Whisper folder (faster-whisper's model.bin)
             config_dict, state_dict, generation = load_ctranslate2_whisper(folder)
@@ -130,6 +160,8 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         model_cls = cls._class_for(config)
         model = model_cls._from_state_dict(config, state_dict, parse_dtype(dtype, config),
                                            parse_device_map(device_map))
+        if quantization is not None:
+            quantization.quantize_model(model)
         if generation:
             model.generation_config = GenerationConfig.from_dict(generation)
         model.name_or_path = str(pretrained_model_name_or_path)
@@ -149,9 +181,12 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         with skip_weight_init():
             model = cls(config)
         state_dict = cls.convert_checkpoint(state_dict, config)
+        _use_packed_weights(model, state_dict, device)
         seen_ids: set[int] = set()
         expected = {}  # tied tensors (e.g. lm_head = embeddings) are expected once, under their first name
         for name, tensor in model.state_dict(keep_vars=True).items():
+            if ".packed_" in name:  # a stored-format weight, already in place
+                continue
             if id(tensor) not in seen_ids:
                 seen_ids.add(id(tensor))
                 expected[name] = tensor
@@ -184,6 +219,36 @@ class PreTrainedModel(nn.Module, GenerationMixin):
 
     def init_buffers(self, device) -> None:
         """Recreate non-persistent buffers (e.g. rotary tables) that the meta-device build left empty."""
+
+
+def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device) -> None:
+    """Put each :class:`PackedWeight` of ``state_dict`` in place: its ``nn.Linear`` / ``nn.Embedding``
+    becomes a quantized layer (layers tied to it too), and the entry leaves ``state_dict``."""
+    from kvgen.models.packed import PackedWeight
+    from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+
+    packed = {name: w for name, w in state_dict.items() if isinstance(w, PackedWeight)}
+    if not packed:
+        return
+    if device.type != "cpu":
+        raise ValueError(f"weights kept in their stored format run on the CPU, not {device}; "
+                         "pass dtype=torch.float32 to dequantize them")
+    sharing: dict[int, list[str]] = {}  # parameter -> every module holding it (tied embeddings)
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            sharing.setdefault(id(module.weight), []).append(name)
+    for name, weight in packed.items():
+        module_name = name.removesuffix(".weight")
+        original = model.get_submodule(module_name)
+        for holder in sharing[id(original.weight)]:
+            module = model.get_submodule(holder)
+            if isinstance(module, nn.Embedding):
+                replacement = QuantizedEmbedding(weight)
+            else:
+                bias = None if module.bias is None else torch.empty(module.out_features)
+                replacement = QuantizedLinear(weight, bias)
+            model.set_submodule(holder, replacement)
+        del state_dict[name]
 
 
 def _refuse_foreign_cache(model, args, kwargs) -> None:

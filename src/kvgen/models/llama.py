@@ -18,6 +18,7 @@ from torch import nn
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
 from kvgen.models.linear import Linear
+from kvgen.models.packed import cat_rows
 from kvgen.outputs import CausalLMOutputWithPast
 from kvgen.rope import RotaryEmbedding, apply_rotary
 
@@ -179,10 +180,10 @@ class LlamaForCausalLM(PreTrainedModel):
             for kind in ("weight", "bias"):
                 parts = [attn + p + "_proj." + kind for p in "qkv"]
                 if all(p in out for p in parts):
-                    out[attn + "qkv_proj." + kind] = torch.cat([out.pop(p) for p in parts], dim=0)
+                    out[attn + "qkv_proj." + kind] = cat_rows([out.pop(p) for p in parts])
                 parts = [mlp + p + "_proj." + kind for p in ("gate", "up")]
                 if all(p in out for p in parts):
-                    out[mlp + "gate_up_proj." + kind] = torch.cat([out.pop(p) for p in parts], dim=0)
+                    out[mlp + "gate_up_proj." + kind] = cat_rows([out.pop(p) for p in parts])
         return out
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,

@@ -1,0 +1,221 @@
+"""kvgen against llama.cpp's own ``llama-bench`` on the same GGUF files and thread counts.
+
+llama.cpp is built once from the source that PyPI's ``llama-cpp-python`` sdist vendors
+(``pip download --no-deps --no-binary :all: llama-cpp-python``), with cmake, into
+``~/.cache/kvgen-bench/llamacpp`` (about 15 minutes on 2 cores; only the ``llama-bench``
+target). It is a benchmark tool, never a kvgen dependency.
+
+For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M) and thread count (1, 2), kvgen and
+llama-bench alternate in fresh processes, ``--rounds`` times:
+
+* prefill: 512 prompt tokens (llama-bench ``-p 512 -n 0``);
+* decode: 128 tokens after a 512-token prompt, batch 1 (llama-bench ``-p 0 -n 128 -d 512``);
+  kvgen also at batch 4;
+* peak RSS of each process (``wait4``).
+
+kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
+plus the keys and values attended to) over the read bandwidth of a large ``sum`` measured in
+the same worker. Writes ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
+
+    python benchmarks/vs_llamacpp.py                      # both models, 1 and 2 threads, 3 rounds
+    python benchmarks/vs_llamacpp.py --models smollm2 --threads 2 --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CACHE = Path(os.environ.get("KVGEN_BENCH_CACHE", Path.home() / ".cache" / "kvgen-bench")) / "llamacpp"
+PROMPT, NEW, BATCHES = 512, 128, (1, 4)
+
+
+def llama_bench() -> Path:
+    """Path of ``llama-bench``, building it on first use."""
+    binaries = sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"))
+    if binaries:
+        return binaries[-1]
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if not list(CACHE.glob("llama_cpp_python-*.tar.gz")):
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        "llama-cpp-python", "-d", str(CACHE)], check=True)
+    archive = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))[-1]
+    with tarfile.open(archive) as tar:
+        tar.extractall(CACHE, filter="data")
+    source = CACHE / archive.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
+    print(f"building llama-bench in {source} (about 15 minutes)", file=sys.stderr)
+    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                   cwd=source, check=True)
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-bench", "-j", str(os.cpu_count() or 1)],
+                   cwd=source, check=True)
+    return source / "build" / "bin" / "llama-bench"
+
+
+def run_measured(command: list[str]) -> tuple[str, float]:
+    """(stdout, peak RSS in MB) of a command run to completion."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    out = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed with status {process.returncode}")
+    return out, usage.ru_maxrss / 1024
+
+
+def llamacpp(binary: Path, model: Path, threads: int) -> dict:
+    prefill, rss_p = run_measured([str(binary), "-m", str(model), "-p", str(PROMPT), "-n", "0", "-t", str(threads),
+                                   "-r", "3", "-o", "json"])
+    decode, rss_d = run_measured([str(binary), "-m", str(model), "-p", "0", "-n", str(NEW), "-d", str(PROMPT),
+                                  "-t", str(threads), "-r", "3", "-o", "json"])
+    return {"prefill_tok_s": json.loads(prefill)[0]["avg_ts"], "decode_tok_s": {"1": json.loads(decode)[0]["avg_ts"]},
+            "peak_rss_mb": max(rss_p, rss_d)}
+
+
+def kvgen_worker(model: str, threads: int) -> dict:
+    """Run in a fresh process: prefill 512 tokens, then 128 decode steps at batch 1 and 4."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from kvgen import AutoModelForCausalLM, DynamicCache
+
+    m = AutoModelForCausalLM.from_pretrained(model)
+    vocab = m.config.vocab_size
+    ids = torch.randint(100, min(vocab, 30000), (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    src = torch.ones(64 * 2**20)  # 256 MB: far past the caches
+    read_bw = max(src.numel() * 4 / _timed(src.sum) for _ in range(5))
+    del src
+    result = {"weight_format": m.weight_format, "read_bandwidth": read_bw, "decode_tok_s": {}, "roofline": {}}
+    with torch.no_grad():
+        m(ids[:, :8], past_key_values=DynamicCache())  # warm-up: compiled blocks, kernels, page faults
+        cache = DynamicCache()
+        result["prefill_tok_s"] = PROMPT / _timed(lambda: m(ids, past_key_values=cache))
+        for batch in BATCHES:
+            cache = DynamicCache()
+            m(ids.expand(batch, -1), past_key_values=cache)
+            token = torch.full((batch, 1), 42)
+            for _ in range(3):
+                m(token, past_key_values=cache)  # warm-up at this batch size
+            start = time.perf_counter()
+            for _ in range(NEW):
+                token = m(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            seconds = (time.perf_counter() - start) / NEW
+            result["decode_tok_s"][str(batch)] = batch / seconds
+            weights = sum(b.numel() * b.element_size() for b in m.buffers() if b.dtype == torch.uint8) + \
+                sum(p.numel() * p.element_size() for p in m.parameters())
+            kv = cache.nbytes() * (PROMPT + 3 + NEW / 2) / cache.get_seq_length()  # mean context of the steps
+            result["roofline"][str(batch)] = (weights + kv) / read_bw / seconds
+    import resource
+
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return result
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def models() -> dict[str, Path]:
+    from kvgen.loading.default_model import default_gguf_path, gemma3_gguf_path
+
+    return {"smollm2": default_gguf_path(), "gemma3": gemma3_gguf_path()}
+
+
+def chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    rows = results["rows"]
+    labels = [f"{r['model']}\n{r['threads']} thr" for r in rows]
+    x = range(len(rows))
+    for ax, key, title in ((axes[0], "decode", "decode, batch 1 (tok/s)"), (axes[1], "prefill", "prefill 512 (tok/s)")):
+        ours = [r["kvgen"][f"{key}_tok_s"]["1"] if key == "decode" else r["kvgen"]["prefill_tok_s"] for r in rows]
+        theirs = [r["llamacpp"][f"{key}_tok_s"]["1"] if key == "decode" else r["llamacpp"]["prefill_tok_s"]
+                  for r in rows]
+        ax.bar([i - 0.2 for i in x], ours, 0.4, label="kvgen")
+        ax.bar([i + 0.2 for i in x], theirs, 0.4, label="llama.cpp (llama-bench)")
+        ax.set_xticks(list(x), labels)
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"same GGUF files, {results['cpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="smollm2,gemma3")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "THREADS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(kvgen_worker(args.worker[0], int(args.worker[1]))))
+        return
+    binary = llama_bench()
+    paths = models()
+    rows = []
+    for name in args.models.split(","):
+        for threads in map(int, args.threads.split(",")):
+            ours, theirs = [], []
+            for _ in range(args.rounds):  # alternating, fresh processes
+                out, rss = run_measured([sys.executable, __file__, "--worker", str(paths[name]), str(threads)])
+                ours.append({**json.loads(out), "process_peak_rss_mb": rss})
+                theirs.append(llamacpp(binary, paths[name], threads))
+            row = {"model": name, "file": paths[name].name, "threads": threads,
+                   "kvgen": _median(ours), "llamacpp": _median(theirs), "rounds": {"kvgen": ours, "llamacpp": theirs}}
+            row["decode_ratio"] = row["kvgen"]["decode_tok_s"]["1"] / row["llamacpp"]["decode_tok_s"]["1"]
+            row["prefill_ratio"] = row["kvgen"]["prefill_tok_s"] / row["llamacpp"]["prefill_tok_s"]
+            rows.append(row)
+            print(f"{name} t={threads}: decode {row['kvgen']['decode_tok_s']['1']:.1f} vs "
+                  f"{row['llamacpp']['decode_tok_s']['1']:.1f} tok/s ({row['decode_ratio']:.2f}x, "
+                  f"{row['kvgen']['roofline']['1']:.0%} of roofline), batch 4 {row['kvgen']['decode_tok_s']['4']:.1f}; "
+                  f"prefill {row['kvgen']['prefill_tok_s']:.0f} vs {row['llamacpp']['prefill_tok_s']:.0f} tok/s "
+                  f"({row['prefill_ratio']:.2f}x); peak RSS {row['kvgen']['process_peak_rss_mb']:.0f} vs "
+                  f"{row['llamacpp']['peak_rss_mb']:.0f} MB", flush=True)
+    results = {"cpu": _cpu(), "load_average": os.getloadavg(), "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "vs_llamacpp.json").write_text(json.dumps(results, indent=1) + "\n")
+    chart(results, out / "vs_llamacpp.png")
+
+
+def _median(runs: list[dict]) -> dict:
+    """Per-key median over rounds (nested dicts of numbers)."""
+    first = runs[0]
+    out = {}
+    for key, value in first.items():
+        if isinstance(value, dict):
+            out[key] = _median([r[key] for r in runs])
+        elif isinstance(value, (int, float)):
+            out[key] = statistics.median(r[key] for r in runs)
+        else:
+            out[key] = value
+    return out
+
+
+def _cpu() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Weights kept in their stored formats: :class:`PackedWeight` and the formats kvgen runs.
+
+A packed weight is an (out_features, in_features) matrix stored as row segments, each a
+(rows, row_bytes) uint8 tensor in one format: a GGUF block type (Q4_0 ... Q6_K, F16, BF16)
+or one of kvgen's load-time formats (int8 rows with a scale each, int4 groups of 32/64/128).
+Fused projections whose parts were stored in different formats (Gemma 3's q/k in Q5_0, v in
+Q8_0) keep one segment per format. ``kvgen.kernels`` multiplies and dequantizes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: format id -> (name, values per block, bytes per block, extra bytes per row). GGML type ids, and
+#: kvgen's own above 1000 (int8: a float32 scale after each row; int4: float32 scale and min per group)
+FORMATS: dict[int, tuple[str, int, int, int]] = {
+    1: ("F16", 32, 64, 0),
+    2: ("Q4_0", 32, 18, 0),
+    3: ("Q4_1", 32, 20, 0),
+    6: ("Q5_0", 32, 22, 0),
+    7: ("Q5_1", 32, 24, 0),
+    8: ("Q8_0", 32, 34, 0),
+    12: ("Q4_K", 256, 144, 0),
+    13: ("Q5_K", 256, 176, 0),
+    14: ("Q6_K", 256, 210, 0),
+    30: ("BF16", 32, 64, 0),
+    1008: ("int8", 32, 32, 4),
+    1032: ("int4/g32", 32, 24, 0),
+    1064: ("int4/g64", 64, 40, 0),
+    1128: ("int4/g128", 128, 72, 0),
+}
+
+
+def row_bytes(format: int, in_features: int) -> int:
+    """Bytes one row of ``in_features`` values takes in ``format``."""
+    _, values, nbytes, extra = FORMATS[format]
+    return in_features // values * nbytes + extra
+
+
+def can_pack(format: int, in_features: int) -> bool:
+    """Whether kvgen's kernels run ``format`` on rows of ``in_features`` values (whole blocks only)."""
+    return format in FORMATS and in_features % FORMATS[format][1] == 0
+
+
+@dataclass
+class PackedWeight:
+    """An (out_features, in_features) weight as row segments ``[(format, (rows, row_bytes) uint8), ...]``.
+
+    Example:
+        >>> import gguf, numpy as np
+        >>> raw = gguf.quants.quantize(np.ones((4, 32), np.float32), gguf.GGMLQuantizationType.Q8_0)
+        >>> w = PackedWeight([(8, torch.from_numpy(raw))], in_features=32)
+        >>> w.shape, w.format_name
+        ((4, 32), 'Q8_0')
+    """
+
+    segments: list[tuple[int, torch.Tensor]]
+    in_features: int
+
+    def __post_init__(self):
+        for format, data in self.segments:
+            if not can_pack(format, self.in_features):
+                raise ValueError(f"format {FORMATS.get(format, (format,))[0]} cannot hold rows of "
+                                 f"{self.in_features} values (whole blocks only)")
+            if data.dtype != torch.uint8 or data.dim() != 2 or data.shape[1] != row_bytes(format, self.in_features):
+                raise ValueError(f"a {FORMATS[format][0]} segment of rows of {self.in_features} values must be "
+                                 f"(rows, {row_bytes(format, self.in_features)}) uint8, not {tuple(data.shape)} "
+                                 f"{data.dtype}")
+
+    @property
+    def out_features(self) -> int:
+        return sum(data.shape[0] for _, data in self.segments)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    @property
+    def format_name(self) -> str:
+        """``"Q4_1"``, or ``"Q5_0+Q8_0"`` for a weight of several formats."""
+        return "+".join(dict.fromkeys(FORMATS[format][0] for format, _ in self.segments))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(data.numel() for _, data in self.segments)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 (out_features, in_features) matrix, exactly as gguf dequantizes it."""
+        out = torch.empty(self.shape)
+        start = 0
+        for format, data in self.segments:
+            torch.ops.kvgen.dequantize_(out[start:start + data.shape[0]], data, format)
+            start += data.shape[0]
+        return out
+
+    def permute_rows(self, index: torch.Tensor) -> "PackedWeight":
+        """Rows reordered by ``index`` (a permutation within a single-format weight, e.g. llama's Q/K)."""
+        ((format, data),) = self.segments
+        return PackedWeight([(format, data[index])], self.in_features)
+
+
+def cat_rows(parts: list) -> torch.Tensor | PackedWeight:
+    """Stack the rows of tensors (``torch.cat``) or of packed weights (one segment per run of a format)."""
+    if not any(isinstance(p, PackedWeight) for p in parts):
+        return torch.cat(parts, dim=0)
+    if not all(isinstance(p, PackedWeight) for p in parts) or len({p.in_features for p in parts}) != 1:
+        raise ValueError("cannot fuse packed weights with float ones or with other input sizes; "
+                         "load with dtype=torch.float32 to dequantize them all")
+    runs: list[tuple[int, list[torch.Tensor]]] = []
+    for part in parts:
+        for format, data in part.segments:
+            if runs and runs[-1][0] == format:
+                runs[-1][1].append(data)
+            else:
+                runs.append((format, [data]))
+    return PackedWeight([(format, torch.cat(datas) if len(datas) > 1 else datas[0]) for format, datas in runs],
+                        parts[0].in_features)

@@ -1,0 +1,128 @@
+"""Linear and embedding layers over weights kept in their stored formats (:mod:`kvgen.models.packed`).
+
+Decode-sized inputs (at most :data:`~kvgen.models.decode_blocks.MAX_ROWS` rows) run
+``torch.ops.kvgen.qmatmul``: one pass over the stored bytes, each block decoded in registers
+and multiplied by every row, float32 accumulation. Larger inputs (prefill) are compute-bound:
+the weight is dequantized into a scratch buffer reused by every layer, then multiplied by
+the float32 matmul. Dequantization is exact (as gguf's), so both paths compute with the
+very weights a float32 model would hold and differ from it only in summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvgen.models.decode_blocks import MAX_ROWS
+from kvgen.models.packed import PackedWeight
+
+_scratch = torch.empty(0)  # float32 scratch for prefill: the largest dequantized weight so far
+
+
+def _dequantized(weight: PackedWeight) -> torch.Tensor:
+    """``weight`` dequantized into the shared scratch buffer (valid until the next call)."""
+    global _scratch
+    n, k = weight.shape
+    if _scratch.numel() < n * k:
+        _scratch = torch.empty(n * k)
+    out = _scratch[: n * k].view(n, k)
+    start = 0
+    for format, data in weight.segments:
+        torch.ops.kvgen.dequantize_(out[start:start + data.shape[0]], data, format)
+        start += data.shape[0]
+    return out
+
+
+def _check_cpu(x: torch.Tensor) -> None:
+    if x.device.type != "cpu":
+        raise ValueError(f"weights kept in their stored format run on the CPU, not {x.device}; load the model "
+                         "with dtype=torch.float32 (or another float dtype) to run it there")
+
+
+class _Packed(nn.Module):
+    """Holds a :class:`PackedWeight` as buffers ``packed_0``, ``packed_1``, ... (one per segment)."""
+
+    def __init__(self, weight: PackedWeight):
+        super().__init__()
+        self.formats = [format for format, _ in weight.segments]
+        self.in_features = weight.in_features
+        for i, (_, data) in enumerate(weight.segments):
+            self.register_buffer(f"packed_{i}", data)
+
+    @property
+    def weight(self) -> PackedWeight:
+        return PackedWeight([(f, getattr(self, f"packed_{i}")) for i, f in enumerate(self.formats)],
+                            self.in_features)
+
+    @weight.setter
+    def weight(self, weight: PackedWeight) -> None:  # tying: share another layer's stored weight
+        if not isinstance(weight, PackedWeight):
+            raise TypeError(f"{type(self).__name__} holds a PackedWeight; cannot assign a {type(weight).__name__}")
+        self.formats = [format for format, _ in weight.segments]
+        self.in_features = weight.in_features
+        for i, (_, data) in enumerate(weight.segments):
+            self._buffers[f"packed_{i}"] = data
+
+
+class QuantizedLinear(_Packed):
+    """``nn.Linear`` whose weight stays in its stored format (GGUF blocks, int8, int4, float16, bfloat16).
+
+    Example:
+        >>> import gguf, numpy as np
+        >>> w = np.random.randn(64, 32).astype(np.float32)
+        >>> raw = torch.from_numpy(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0))
+        >>> layer = QuantizedLinear(PackedWeight([(8, raw)], in_features=32))
+        >>> layer(torch.randn(1, 32)).shape
+        torch.Size([1, 64])
+    """
+
+    def __init__(self, weight: PackedWeight, bias: torch.Tensor | None = None):
+        super().__init__(weight)
+        self.out_features = weight.out_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_cpu(x)
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features).float().contiguous()  # (rows, in)
+        if rows <= MAX_ROWS:
+            parts = [torch.ops.kvgen.qmatmul(x2, data, format) for format, data in self.weight.segments]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (rows, out)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = F.linear(x2, _dequantized(self.weight), self.bias)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"format={self.weight.format_name}, bias={self.bias is not None}"
+
+
+class QuantizedEmbedding(_Packed):
+    """``nn.Embedding`` whose table stays in its stored format; looked-up rows are dequantized.
+
+    Example:
+        >>> import gguf, numpy as np
+        >>> raw = torch.from_numpy(gguf.quants.quantize(np.ones((10, 32), np.float32), gguf.GGMLQuantizationType.Q8_0))
+        >>> QuantizedEmbedding(PackedWeight([(8, raw)], in_features=32))(torch.tensor([[1, 2]])).shape
+        torch.Size([1, 2, 32])
+    """
+
+    def __init__(self, weight: PackedWeight):
+        super().__init__(weight)
+        if len(weight.segments) != 1:
+            raise ValueError("an embedding table is stored in one format")
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _check_cpu(ids)
+        ((format, data),) = self.weight.segments
+        flat = ids.reshape(-1)
+        out = torch.empty(flat.shape[0], self.embedding_dim)
+        torch.ops.kvgen.dequantize_(out, data.index_select(0, flat), format)
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, format={self.weight.format_name}"

@@ -1,0 +1,206 @@
+"""Weights kept in their stored formats: kernels against gguf's own dequantization, and whole
+models run quantized against the same weights dequantized to float32.
+
+GGUF dequantization is exact in float32, so ``dequantize_`` must equal gguf's bit for bit,
+and a quantized model must compute what its dequantized twin computes up to summation order:
+logits within 1e-3 over a prefill and 50 decode steps, and the same greedy text.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
+
+import kvgen
+from kvgen.kernels import kernels_available
+from kvgen.models.packed import PackedWeight
+from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from kvgen.quantization import TorchAoConfig, quantize_int4, quantize_int8
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build kvgen's kernels")
+
+QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.F16, Q.BF16]  # gguf.quants can quantize these
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # it can only dequantize these: random blocks with sane scales
+SCALES_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of each block's float16 scales
+
+
+def random_raw(qtype, rows, cols, seed=0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype in QUANTIZABLE:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).view(np.uint8)
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    for at in SCALES_AT[qtype]:
+        raw[:, :, at:at + 2] = (rng.standard_normal((rows, cols // block, 1)) * 0.01).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def check_against_gguf(raw: np.ndarray, qtype, cols: int) -> None:
+    """dequantize_ equals gguf bit for bit; qmatmul (1, 3 and 8 rows) equals x @ W.T up to summation order."""
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(raw.shape[0], cols))
+    weight = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)))], cols)
+    assert torch.equal(weight.dequantize(), expected)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        got = torch.ops.kvgen.qmatmul(x, weight.segments[0][1], int(qtype))
+        reference = x.double() @ expected.double().T
+        bound = 1e-5 * (x.double().abs() @ expected.double().abs().T) + 1e-6  # float32 summation error
+        assert ((got.double() - reference).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
+def test_kernels_match_gguf_on_synthetic_blocks(qtype):
+    check_against_gguf(random_raw(qtype, 48, 512), qtype, 512)
+
+
+@pytest.fixture(scope="module")
+def gemma3_gguf():
+    from kvgen.loading.default_model import gemma3_gguf_path
+
+    return gemma3_gguf_path()
+
+
+def test_kernels_match_gguf_on_the_packaged_files(gemma3_gguf):
+    from kvgen.loading.default_model import default_gguf_path
+
+    seen = set()
+    for path in (default_gguf_path(), gemma3_gguf):
+        for tensor in gguf.GGUFReader(path).tensors:
+            if tensor.tensor_type == Q.F32 or tensor.tensor_type in seen:
+                continue
+            seen.add(tensor.tensor_type)
+            raw = np.array(tensor.data[:64]).view(np.uint8)  # 64 rows of the real tensor
+            check_against_gguf(raw, tensor.tensor_type, int(tensor.shape[0]))
+    assert seen == {Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K}
+
+
+def test_int8_and_int4_rows_dequantize_to_their_definition():
+    w = torch.randn(40, 256, generator=torch.Generator().manual_seed(0))
+    packed = quantize_int8(w)
+    rows = packed.segments[0][1]
+    q, scale = rows[:, :256].view(torch.int8).float(), rows[:, 256:].view(torch.float32)
+    assert torch.equal(packed.dequantize(), q * scale)
+    assert (packed.dequantize() - w).abs().max() <= scale.max() / 2 + 1e-6
+    for group in (32, 64, 128):
+        packed = quantize_int4(w, group)
+        blocks = packed.segments[0][1].reshape(40, 256 // group, 8 + group // 2)
+        d, m = blocks[..., :4].contiguous().view(torch.float32), blocks[..., 4:8].contiguous().view(torch.float32)
+        nib = blocks[..., 8:]
+        q = torch.cat([nib & 15, nib >> 4], dim=-1).float()  # (40, groups, G)
+        assert torch.equal(packed.dequantize(), (q * d + m).reshape(40, 256))
+        assert (packed.dequantize() - w).abs().max() <= d.max() / 2 + 1e-6
+        x = torch.randn(5, 256)
+        torch.testing.assert_close(QuantizedLinear(packed)(x), x @ packed.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_layers_reject_bad_input():
+    packed = quantize_int8(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="int4 group_size must be one of"):
+        TorchAoConfig("int4_weight_only", group_size=16)
+    with pytest.raises(ValueError, match="quant_type 'int3' is not supported"):
+        TorchAoConfig("int3")
+    with pytest.raises(ValueError, match="cannot hold rows of 48 values"):
+        PackedWeight([(3, torch.zeros(2, 30, dtype=torch.uint8))], in_features=48)
+    with pytest.raises(ValueError, match=r"must be \(rows, 40\) uint8"):
+        PackedWeight([(3, torch.zeros(2, 30, dtype=torch.uint8))], in_features=64)
+    with pytest.raises(RuntimeError, match="input features"):
+        torch.ops.kvgen.qmatmul(torch.randn(1, 32), packed.segments[0][1], 1008)
+    with pytest.raises(IndexError):
+        QuantizedEmbedding(packed)(torch.tensor([8]))
+
+
+# -- whole models ------------------------------------------------------------------------------------------
+
+
+def compare_decoding(quantized, reference, prompt_ids, steps=50):
+    """Max |logit difference| over a prefill and ``steps`` greedy decode steps (fed the reference's tokens)."""
+    worst = 0.0
+    caches = kvgen.DynamicCache(), kvgen.DynamicCache()
+    ids = prompt_ids
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            a = quantized(ids, past_key_values=caches[0]).logits[:, -1]
+            b = reference(ids, past_key_values=caches[1]).logits[:, -1]
+            worst = max(worst, (a - b).abs().max().item())
+            ids = b.argmax(-1, keepdim=True)
+    return worst
+
+
+@pytest.fixture(scope="module")
+def smollm_pair():
+    from kvgen.loading.default_model import default_gguf_path
+
+    path = default_gguf_path()
+    quantized = kvgen.AutoModelForCausalLM.from_pretrained(path)
+    reference = kvgen.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return quantized, reference, kvgen.AutoTokenizer.from_pretrained(path)
+
+
+def test_gguf_loads_in_its_stored_types_by_default(smollm_pair):
+    quantized, reference, _ = smollm_pair
+    assert quantized.weight_format == "Q8_0+Q4_1" and reference.weight_format == "float32"
+    assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)
+    assert quantized.lm_head.packed_0 is quantized.model.embed_tokens.packed_0  # tied: stored once
+    stored = sum(b.numel() for b in quantized.buffers() if b.dtype == torch.uint8)
+    assert stored < 0.2 * sum(p.numel() * 4 for p in reference.parameters())  # Q4_1/Q8_0: under a fifth
+    from kvgen.cache.fingerprint import model_fingerprint
+
+    assert model_fingerprint(quantized) != model_fingerprint(reference)
+
+
+def test_smollm2_quantized_matches_dequantized(smollm_pair):
+    quantized, reference, tokenizer = smollm_pair
+    prompt = tokenizer("Once upon a time, there was a little", return_tensors="pt")
+    worst = compare_decoding(quantized, reference, prompt["input_ids"])
+    assert worst < 1e-3, worst
+    texts = [tokenizer.decode(m.generate(**prompt, max_new_tokens=30)[0]) for m in (quantized, reference)]
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static", "sink", "quantized", "offloaded", "offloaded_static"])
+def test_every_cache_type_runs_on_quantized_weights(smollm_pair, cache, monkeypatch):
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")  # eager here; compiled decode runs in the test above
+    quantized, reference, tokenizer = smollm_pair
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    config = {"sink": {"window_length": 64, "num_sink_tokens": 4}, "quantized": {"backend": "kivi", "nbits": 4}}.get(cache)
+    kwargs = dict(max_new_tokens=12, cache_implementation=cache, cache_config=config)
+    assert torch.equal(quantized.generate(**prompt, **kwargs), reference.generate(**prompt, **kwargs))
+
+
+def test_beam_search_forks_and_saved_caches_on_quantized_weights(smollm_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")
+    quantized, reference, tokenizer = smollm_pair
+    prompt = tokenizer("The best way to learn", return_tensors="pt")
+    beams = dict(max_new_tokens=8, num_beams=3, num_return_sequences=2)
+    assert torch.equal(quantized.generate(**prompt, **beams), reference.generate(**prompt, **beams))
+    cache = kvgen.DynamicCache()
+    quantized(**prompt, past_key_values=cache)
+    cache.save(tmp_path / "prefix.safetensors", model=quantized)
+    with pytest.raises(ValueError, match="model"):  # the float twin is another model for a cache file
+        kvgen.load_cache(tmp_path / "prefix.safetensors", model=reference)
+    loaded = kvgen.load_cache(tmp_path / "prefix.safetensors", model=quantized)
+    a, b = loaded.fork(2)
+    step = torch.tensor([[42]])
+    assert torch.equal(quantized(step, past_key_values=a).logits, quantized(step, past_key_values=b).logits)
+    assert torch.equal(quantized(step, past_key_values=copy.deepcopy(cache)).logits,
+                       quantized(torch.tensor([[42]]), past_key_values=cache).logits)
+
+
+def test_gemma3_quantized_matches_dequantized_on_a_long_prompt(gemma3_gguf):
+    quantized = kvgen.AutoModelForCausalLM.from_pretrained(gemma3_gguf)
+    reference = kvgen.AutoModelForCausalLM.from_pretrained(gemma3_gguf, dtype=torch.float32)
+    tokenizer = kvgen.AutoTokenizer.from_pretrained(gemma3_gguf)
+    assert set(quantized.weight_format.split("+")) == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+    text = " ".join(f"Verse {i}: in the beginning was the word, and the word was with light." for i in range(60))
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, :700]
+    assert ids.shape[1] == 700  # past the 512-token sliding window
+    worst = compare_decoding(quantized, reference, ids, steps=20)
+    assert worst < 1e-3, worst
+    out = [m.generate(ids, max_new_tokens=20) for m in (quantized, reference)]
+    assert torch.equal(out[0], out[1])
