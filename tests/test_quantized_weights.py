@@ -48,7 +48,7 @@ def check_against_gguf(raw: np.ndarray, qtype, cols: int) -> None:
     assert torch.equal(weight.dequantize(), expected)
     for rows in (1, 3, 8):
         x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
-        got = torch.ops.kvgen.qmatmul(x, weight.segments[0][1], int(qtype))
+        got = torch.ops.kvgen.qmatmul(x, [weight.segments[0][1]], [int(qtype)])
         reference = x.double() @ expected.double().T
         bound = 1e-5 * (x.double().abs() @ expected.double().abs().T) + 1e-6  # float32 summation error
         assert ((got.double() - reference).abs() <= bound).all()
@@ -95,8 +95,23 @@ def test_int8_and_int4_rows_dequantize_to_their_definition():
         q = torch.cat([nib & 15, nib >> 4], dim=-1).float()  # (40, groups, G)
         assert torch.equal(packed.dequantize(), (q * d + m).reshape(40, 256))
         assert (packed.dequantize() - w).abs().max() <= d.max() / 2 + 1e-6
-        x = torch.randn(5, 256)
-        torch.testing.assert_close(QuantizedLinear(packed)(x), x @ packed.dequantize().T, rtol=1e-5, atol=1e-5)
+        x = torch.randn(5, 256, dtype=torch.float64)
+        got = QuantizedLinear(packed)(x.float()).double()
+        # the kernel sums d * q * x and m * x apart: float32 rounding of the larger of the two
+        magnitude = x.abs() @ ((q * d).abs() + m.abs()).reshape(40, 256).double().T
+        assert ((got - x @ packed.dequantize().double().T).abs() <= 1e-5 * magnitude + 1e-6).all()
+
+
+def test_a_fused_weight_of_several_formats_is_one_product():
+    parts = [(Q.Q5_0, 24), (Q.Q8_0, 8), (Q.Q5_0, 40), (Q.Q6_K, 16)]  # Gemma 3's q/k/v formats, and a K-quant
+    segments = [(int(q), torch.from_numpy(random_raw(q, rows, 256, seed=i))) for i, (q, rows) in enumerate(parts)]
+    weight = PackedWeight(segments, 256)
+    dense = torch.cat([PackedWeight([s], 256).dequantize() for s in segments])
+    assert torch.equal(weight.dequantize(), dense)
+    layer = QuantizedLinear(weight, bias=torch.randn(88))
+    for rows in (1, 5, 8, 12):  # 12 rows: the prefill path (dequantized into the scratch buffer)
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(layer(x), x @ dense.T + layer.bias, rtol=1e-4, atol=1e-4)
 
 
 def test_quantized_layers_reject_bad_input():
@@ -110,7 +125,7 @@ def test_quantized_layers_reject_bad_input():
     with pytest.raises(ValueError, match=r"must be \(rows, 40\) uint8"):
         PackedWeight([(3, torch.zeros(2, 30, dtype=torch.uint8))], in_features=64)
     with pytest.raises(RuntimeError, match="input features"):
-        torch.ops.kvgen.qmatmul(torch.randn(1, 32), packed.segments[0][1], 1008)
+        torch.ops.kvgen.qmatmul(torch.randn(1, 32), [packed.segments[0][1]], [1008])
     with pytest.raises(IndexError):
         QuantizedEmbedding(packed)(torch.tensor([8]))
 

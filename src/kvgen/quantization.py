@@ -81,6 +81,7 @@ class TorchAoConfig:
     def quantize_model(self, model: nn.Module) -> None:
         """Replace every linear layer of ``model`` (except ``modules_to_not_convert``) by a quantized one."""
         from kvgen.kernels import kernels_available, unavailable_reason
+        from kvgen.models.decode_blocks import run_blocks_eagerly
         from kvgen.models.quantized_linear import QuantizedLinear
 
         if not kernels_available():
@@ -92,6 +93,7 @@ class TorchAoConfig:
                     and name not in self.modules_to_not_convert:
                 bias = None if module.bias is None else module.bias.detach().float()
                 model.set_submodule(name, QuantizedLinear(self.quantize(module.weight.detach()), bias))
+        run_blocks_eagerly(model)
 
 
 def parse_quantization_config(config) -> TorchAoConfig | None:

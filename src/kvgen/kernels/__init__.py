@@ -78,8 +78,8 @@ def _load() -> str | None:
         if not path.is_file():
             _build(path)
         torch.ops.load_library(str(path))
-        torch.library.register_fake("kvgen::qmatmul")(
-            lambda x, w, format: x.new_empty(x.shape[0], w.shape[0]))  # shapes for torch.compile
+        torch.library.register_fake("kvgen::qmatmul")(  # shapes for torch.compile
+            lambda x, ws, formats: x.new_empty(x.shape[0], sum(w.shape[0] for w in ws)))
     except Exception as error:  # no compiler, read-only cache, a compiler error: fall back, say why
         return str(error)
     return None

@@ -3,12 +3,13 @@
 // ``kvgen::dequantize_``. Built for this CPU and loaded by kvgen/kernels/__init__.py.
 //
 // A weight is (N, row_bytes) uint8: each output row is a run of blocks of QK values. Every
-// format decodes a block as vectors of 16 floats with exactly the operations of gguf.quants'
-// numpy code (products are kept apart from sums by round(): no fused multiply-add there), so
-// dequantize_ matches gguf bit for bit and qmatmul computes the dot product with the very
-// dequantized weights, differing from a float32 matmul only in summation order. qmatmul
-// decodes each block once and accumulates it against up to 8 input rows (fused multiply-add
-// into 16-lane accumulators): one pass over the stored bytes.
+// format decodes a block into groups of small integers (as floats) sharing a scale d and a min
+// m; dequantize_ computes q * d + m with exactly the operations of gguf.quants' numpy code
+// (the product kept apart from the sum by round(): no fused multiply-add), so it matches gguf
+// bit for bit. qmatmul decodes each block once and, for up to 8 input rows, accumulates
+// d * sum(q * x) + m * sum(x) per group in 16-lane float32 accumulators (fused multiply-adds):
+// one pass over the stored bytes, fewer operations per weight than dequantizing first, and
+// the float32 dot product up to rounding order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -60,68 +62,70 @@ inline float f32(const uint8_t* p) {
 }
 const vi LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
-// Each format: QK values per block, BYTES per block, and decode(block, emit) calling emit(i, v)
-// with the i-th run of 16 values, in order.
+// Each format: QK values per block, BYTES per block, GROUP values per scale, and
+// decode(block, emit) calling emit(run, q, n, d, m) for each group: n vectors of 16 values from
+// value 16 * run on, worth q * d + m (m only where HAS_MIN; d is 1 where not SCALED). q holds
+// small integers, so the products and sums below are those of gguf's numpy code.
 
 struct Q4_0 {
-  static constexpr int QK = 32, BYTES = 18;
+  static constexpr int QK = 32, BYTES = 18, GROUP = 32;
+  static constexpr bool SCALED = true, HAS_MIN = false;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    const vf d = splat(f16(b));
     const vb q = load16(b + 2);
-    emit(0, (tof(q & 0x0F) - 8.0f) * d);
-    emit(1, (tof(q >> 4) - 8.0f) * d);
+    const vf v[2] = {tof(q & 0x0F) - 8.0f, tof(q >> 4) - 8.0f};
+    emit(0, v, 2, f16(b), 0.0f);
   }
 };
 
 struct Q4_1 {
-  static constexpr int QK = 32, BYTES = 20;
+  static constexpr int QK = 32, BYTES = 20, GROUP = 32;
+  static constexpr bool SCALED = true, HAS_MIN = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    const vf d = splat(f16(b)), m = splat(f16(b + 2));
     const vb q = load16(b + 4);
-    emit(0, round(tof(q & 0x0F) * d) + m);
-    emit(1, round(tof(q >> 4) * d) + m);
+    const vf v[2] = {tof(q & 0x0F), tof(q >> 4)};
+    emit(0, v, 2, f16(b), f16(b + 2));
   }
 };
 
 // 5-bit values of Q5_0/Q5_1: the low 4 bits in nibbles, the 5th in a 32-bit mask
-inline void q5_values(const uint8_t* qh_bytes, const uint8_t* qs, vf& lo, vf& hi) {
+inline void q5_values(const uint8_t* qh_bytes, const uint8_t* qs, vf* v) {
   uint32_t qh;
   std::memcpy(&qh, qh_bytes, 4);
   const vb q = load16(qs);
   const vi h = (vi)(((vu{} + qh) >> (vu)LANE) & 1u);
   const vi h2 = (vi)(((vu{} + (qh >> 16)) >> (vu)LANE) & 1u);
-  lo = __builtin_convertvector(toi(q & 0x0F) | (h << 4), vf);
-  hi = __builtin_convertvector(toi(q >> 4) | (h2 << 4), vf);
+  v[0] = __builtin_convertvector(toi(q & 0x0F) | (h << 4), vf);
+  v[1] = __builtin_convertvector(toi(q >> 4) | (h2 << 4), vf);
 }
 
 struct Q5_0 {
-  static constexpr int QK = 32, BYTES = 22;
+  static constexpr int QK = 32, BYTES = 22, GROUP = 32;
+  static constexpr bool SCALED = true, HAS_MIN = false;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    const vf d = splat(f16(b));
-    vf lo, hi;
-    q5_values(b + 2, b + 6, lo, hi);
-    emit(0, (lo - 16.0f) * d);
-    emit(1, (hi - 16.0f) * d);
+    vf v[2];
+    q5_values(b + 2, b + 6, v);
+    v[0] -= 16.0f;
+    v[1] -= 16.0f;
+    emit(0, v, 2, f16(b), 0.0f);
   }
 };
 
 struct Q5_1 {
-  static constexpr int QK = 32, BYTES = 24;
+  static constexpr int QK = 32, BYTES = 24, GROUP = 32;
+  static constexpr bool SCALED = true, HAS_MIN = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    const vf d = splat(f16(b)), m = splat(f16(b + 2));
-    vf lo, hi;
-    q5_values(b + 4, b + 8, lo, hi);
-    emit(0, round(lo * d) + m);
-    emit(1, round(hi * d) + m);
+    vf v[2];
+    q5_values(b + 4, b + 8, v);
+    emit(0, v, 2, f16(b), f16(b + 2));
   }
 };
 
 struct Q8_0 {
-  static constexpr int QK = 32, BYTES = 34;
+  static constexpr int QK = 32, BYTES = 34, GROUP = 32;
+  static constexpr bool SCALED = true, HAS_MIN = false;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    const vf d = splat(f16(b));
-    emit(0, tof((vsb)load16(b + 2)) * d);
-    emit(1, tof((vsb)load16(b + 18)) * d);
+    const vf v[2] = {tof((vsb)load16(b + 2)), tof((vsb)load16(b + 18))};
+    emit(0, v, 2, f16(b), 0.0f);
   }
 };
 
@@ -138,41 +142,41 @@ inline void k_scales(const uint8_t* b, float* d, float* m) {
 }
 
 struct Q4_K {
-  static constexpr int QK = 256, BYTES = 144;
+  static constexpr int QK = 256, BYTES = 144, GROUP = 32;
+  static constexpr bool SCALED = true, HAS_MIN = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
     float d[8], m[8];
     k_scales(b, d, m);
     for (int c = 0; c < 4; ++c) {
       const vb q0 = load16(b + 16 + 32 * c), q1 = load16(b + 32 + 32 * c);
-      const vf d0 = splat(d[2 * c]), m0 = splat(m[2 * c]), d1 = splat(d[2 * c + 1]), m1 = splat(m[2 * c + 1]);
-      emit(4 * c, round(tof(q0 & 0x0F) * d0) - m0);
-      emit(4 * c + 1, round(tof(q1 & 0x0F) * d0) - m0);
-      emit(4 * c + 2, round(tof(q0 >> 4) * d1) - m1);
-      emit(4 * c + 3, round(tof(q1 >> 4) * d1) - m1);
+      const vf lo[2] = {tof(q0 & 0x0F), tof(q1 & 0x0F)}, hi[2] = {tof(q0 >> 4), tof(q1 >> 4)};
+      emit(4 * c, lo, 2, d[2 * c], -m[2 * c]);
+      emit(4 * c + 2, hi, 2, d[2 * c + 1], -m[2 * c + 1]);
     }
   }
 };
 
 struct Q5_K {
-  static constexpr int QK = 256, BYTES = 176;
+  static constexpr int QK = 256, BYTES = 176, GROUP = 32;
+  static constexpr bool SCALED = true, HAS_MIN = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
     float d[8], m[8];
     k_scales(b, d, m);
     const vb h0 = load16(b + 16), h1 = load16(b + 32);  // bit s of qh[j]: the 5th bit of value 32 s + j
     for (int c = 0; c < 4; ++c) {
       const vb q0 = load16(b + 48 + 32 * c), q1 = load16(b + 64 + 32 * c);
-      const vf d0 = splat(d[2 * c]), m0 = splat(m[2 * c]), d1 = splat(d[2 * c + 1]), m1 = splat(m[2 * c + 1]);
       const int s0 = 2 * c, s1 = 2 * c + 1;
-      emit(4 * c, round(tof((q0 & 0x0F) | (((h0 >> s0) & 1) << 4)) * d0) - m0);
-      emit(4 * c + 1, round(tof((q1 & 0x0F) | (((h1 >> s0) & 1) << 4)) * d0) - m0);
-      emit(4 * c + 2, round(tof((q0 >> 4) | (((h0 >> s1) & 1) << 4)) * d1) - m1);
-      emit(4 * c + 3, round(tof((q1 >> 4) | (((h1 >> s1) & 1) << 4)) * d1) - m1);
+      const vf lo[2] = {tof((q0 & 0x0F) | (((h0 >> s0) & 1) << 4)), tof((q1 & 0x0F) | (((h1 >> s0) & 1) << 4))};
+      const vf hi[2] = {tof((q0 >> 4) | (((h0 >> s1) & 1) << 4)), tof((q1 >> 4) | (((h1 >> s1) & 1) << 4))};
+      emit(4 * c, lo, 2, d[2 * c], -m[2 * c]);
+      emit(4 * c + 2, hi, 2, d[2 * c + 1], -m[2 * c + 1]);
     }
   }
 };
 
 struct Q6_K {
-  static constexpr int QK = 256, BYTES = 210;
+  static constexpr int QK = 256, BYTES = 210, GROUP = 16;
+  static constexpr bool SCALED = true, HAS_MIN = false;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float dd = f16(b + 208);
@@ -180,48 +184,45 @@ struct Q6_K {
       for (int k = 0; k < 2; ++k) {  // lanes 16 k .. 16 k + 15 of each run of 32 values
         const vb l0 = load16(b + 64 * h + 16 * k), l1 = load16(b + 64 * h + 32 + 16 * k);
         const vb hb = load16(b + 128 + 32 * h + 16 * k);
-        const vb q0 = (l0 & 0x0F) | ((hb & 3) << 4), q1 = (l1 & 0x0F) | (((hb >> 2) & 3) << 4);
-        const vb q2 = (l0 >> 4) | (((hb >> 4) & 3) << 4), q3 = (l1 >> 4) | ((hb >> 6) << 4);
+        const vf q[4] = {tof((l0 & 0x0F) | ((hb & 3) << 4)) - 32.0f, tof((l1 & 0x0F) | (((hb >> 2) & 3) << 4)) - 32.0f,
+                         tof((l0 >> 4) | (((hb >> 4) & 3) << 4)) - 32.0f, tof((l1 >> 4) | ((hb >> 6) << 4)) - 32.0f};
         const int run = 8 * h + k;  // values 128 h + 32 s + 16 k + lane: run 8 h + 2 s + k, its own scale
-        emit(run, splat(dd * (float)sc[run]) * (tof(q0) - 32.0f));
-        emit(run + 2, splat(dd * (float)sc[run + 2]) * (tof(q1) - 32.0f));
-        emit(run + 4, splat(dd * (float)sc[run + 4]) * (tof(q2) - 32.0f));
-        emit(run + 6, splat(dd * (float)sc[run + 6]) * (tof(q3) - 32.0f));
+        for (int s = 0; s < 4; ++s) emit(run + 2 * s, q + s, 1, dd * (float)sc[run + 2 * s], 0.0f);
       }
     }
   }
 };
 
 struct F16 {
-  static constexpr int QK = 32, BYTES = 64;
+  static constexpr int QK = 32, BYTES = 64, GROUP = 32;
+  static constexpr bool SCALED = false, HAS_MIN = false;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    for (int i = 0; i < 2; ++i) {
+    vf w[2];
 #if defined(__AVX512F__)
+    for (int i = 0; i < 2; ++i) {
       __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * i)));
-      vf w;
-      std::memcpy(&w, &v, 64);
-#elif defined(__F16C__)
-      __m256 v[2] = {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 * i))),
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 * i + 16)))};
-      vf w;
-      std::memcpy(&w, v, 64);
-#else
-      vf w;
-      for (int j = 0; j < 16; ++j) w[j] = f16(b + 32 * i + 2 * j);
-#endif
-      emit(i, w);
+      std::memcpy(&w[i], &v, 64);
     }
+#elif defined(__F16C__)
+    for (int i = 0; i < 4; ++i) {
+      __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i)));
+      std::memcpy(reinterpret_cast<char*>(w) + 32 * i, &v, 32);
+    }
+#else
+    for (int j = 0; j < 32; ++j) w[j / 16][j % 16] = f16(b + 2 * j);
+#endif
+    emit(0, w, 2, 1.0f, 0.0f);
   }
 };
 
 struct BF16 {
-  static constexpr int QK = 32, BYTES = 64;
+  static constexpr int QK = 32, BYTES = 64, GROUP = 32;
+  static constexpr bool SCALED = false, HAS_MIN = false;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    for (int i = 0; i < 2; ++i) {
-      vh h;
-      std::memcpy(&h, b + 32 * i, 32);
-      emit(i, (vf)(__builtin_convertvector(h, vu) << 16));
-    }
+    vh h[2];
+    std::memcpy(h, b, 64);
+    const vf w[2] = {(vf)(__builtin_convertvector(h[0], vu) << 16), (vf)(__builtin_convertvector(h[1], vu) << 16)};
+    emit(0, w, 2, 1.0f, 0.0f);
   }
 };
 
@@ -229,24 +230,27 @@ struct BF16 {
 // bytes of nibbles (low nibbles: the first G/2 values, high nibbles: the rest), w = q * d + m
 template <int G>
 struct I4 {
-  static constexpr int QK = G, BYTES = 8 + G / 2;
+  static constexpr int QK = G, BYTES = 8 + G / 2, GROUP = G;
+  static constexpr bool SCALED = true, HAS_MIN = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    const vf d = splat(f32(b)), m = splat(f32(b + 4));
+    vf v[G / 16];
     for (int i = 0; i < G / 32; ++i) {
       const vb q = load16(b + 8 + 16 * i);
-      emit(i, round(tof(q & 0x0F) * d) + m);
-      emit(G / 32 + i, round(tof(q >> 4) * d) + m);
+      v[i] = tof(q & 0x0F);
+      v[G / 32 + i] = tof(q >> 4);
     }
+    emit(0, v, G / 16, f32(b), f32(b + 4));
   }
 };
 
 // kvgen's int8 rows: K int8 values, then the row's float32 scale; blocks carry no scale, the
 // row scale multiplies the finished dot product (and the dequantized row)
 struct I8 {
-  static constexpr int QK = 32, BYTES = 32;
+  static constexpr int QK = 32, BYTES = 32, GROUP = 32;
+  static constexpr bool SCALED = false, HAS_MIN = false;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
-    emit(0, tof((vsb)load16(b)));
-    emit(1, tof((vsb)load16(b + 16)));
+    const vf v[2] = {tof((vsb)load16(b)), tof((vsb)load16(b + 16))};
+    emit(0, v, 2, 1.0f, 0.0f);
   }
 };
 
@@ -265,31 +269,45 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
     const vf s = splat(has_row_scale<T>() ? f32(wr + K) : 1.0f);
     for (int64_t b = 0; b < nb; ++b) {
       float* ob = o + b * T::QK;
-      T::decode(wr + b * T::BYTES, [&](int i, vf v) {
-        if constexpr (has_row_scale<T>()) v = v * s;
-        std::memcpy(ob + 16 * i, &v, 64);
+      T::decode(wr + b * T::BYTES, [&](int run, const vf* q, int count, float d, float m) {
+        for (int i = 0; i < count; ++i) {
+          vf v = q[i];
+          if constexpr (T::SCALED) v = round(v * splat(d));
+          if constexpr (T::HAS_MIN) v = v + splat(m);
+          if constexpr (has_row_scale<T>()) v = v * s;
+          std::memcpy(ob + 16 * (run + i), &v, 64);
+        }
       });
     }
   }
 }
 
-// y[r, n] = sum_k x[r, k] * w[n, k] for R rows of x (R <= 8), rows n0..n1 of w
+// y[r, n] = sum_k x[r, k] * w[n, k] for R rows of x (R <= 8), rows n0..n1 of w. Per group:
+// d * sum(q * x) + m * sum(x), with sum(x) over each group precomputed in xsum (R, K / GROUP).
 template <class T, int R>
-void matmul_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
-                 int64_t K, float* y, int64_t ldy) {
+void matmul_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t row_bytes, int64_t n0,
+                 int64_t n1, int64_t K, float* y, int64_t ldy) {
   constexpr int QK = T::QK;
-  const int64_t nb = K / QK;
+  const int64_t nb = K / QK, ngroups = K / T::GROUP;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     vf acc[R] = {};
+    float macc[R] = {};
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + b * QK;
-      T::decode(wr + b * T::BYTES, [&](int i, vf v) {
-        for (int r = 0; r < R; ++r) acc[r] += v * loadf(xb + r * ldx + 16 * i);  // fused multiply-add
+      T::decode(wr + b * T::BYTES, [&](int run, const vf* q, int count, float d, float m) {
+        for (int r = 0; r < R; ++r) {
+          const float* xr = xb + r * ldx + 16 * run;
+          vf t = q[0] * loadf(xr);
+          for (int i = 1; i < count; ++i) t += q[i] * loadf(xr + 16 * i);  // fused multiply-add
+          if constexpr (T::SCALED) acc[r] += splat(d) * t;
+          else acc[r] += t;
+          if constexpr (T::HAS_MIN) macc[r] += m * xsum[r * ngroups + (b * QK + 16 * run) / T::GROUP];
+        }
       });
     }
     for (int r = 0; r < R; ++r) {
-      float s = 0.0f;
+      float s = macc[r];
       for (int j = 0; j < 16; ++j) s += acc[r][j];
       if constexpr (has_row_scale<T>()) s = s * f32(wr + K);
       y[r * ldy + n] = s;
@@ -297,28 +315,41 @@ void matmul_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t row_byte
   }
 }
 
+// rows n0..n1 of one weight, every row of x (in runs of at most 8)
 template <class T>
-void matmul(const float* x, int64_t ldx, int64_t R, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K,
-            float* y, int64_t ldy) {
-  // grain: enough output rows per task that a task streams a few kB of weights
-  const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = 0; r < R; r += 8) {
-      const int64_t rows = std::min<int64_t>(8, R - r);
-      const float* xr = x + r * ldx;
-      float* yr = y + r * ldy;
-      switch (rows) {
-        case 1: matmul_rows<T, 1>(xr, ldx, w, row_bytes, n0, n1, K, yr, ldy); break;
-        case 2: matmul_rows<T, 2>(xr, ldx, w, row_bytes, n0, n1, K, yr, ldy); break;
-        case 3: matmul_rows<T, 3>(xr, ldx, w, row_bytes, n0, n1, K, yr, ldy); break;
-        case 4: matmul_rows<T, 4>(xr, ldx, w, row_bytes, n0, n1, K, yr, ldy); break;
-        case 5: matmul_rows<T, 5>(xr, ldx, w, row_bytes, n0, n1, K, yr, ldy); break;
-        case 6: matmul_rows<T, 6>(xr, ldx, w, row_bytes, n0, n1, K, yr, ldy); break;
-        case 7: matmul_rows<T, 7>(xr, ldx, w, row_bytes, n0, n1, K, yr, ldy); break;
-        default: matmul_rows<T, 8>(xr, ldx, w, row_bytes, n0, n1, K, yr, ldy); break;
-      }
+void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, const uint8_t* w, int64_t row_bytes,
+                  int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
+  const int64_t ngroups = K / T::GROUP;
+  for (int64_t r = 0; r < R; r += 8) {
+    const float* xr = x + r * ldx;
+    const float* xs = xsum + r * ngroups;
+    float* yr = y + r * ldy;
+    switch (std::min<int64_t>(8, R - r)) {
+      case 1: matmul_rows<T, 1>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 2: matmul_rows<T, 2>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 3: matmul_rows<T, 3>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 4: matmul_rows<T, 4>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 5: matmul_rows<T, 5>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 6: matmul_rows<T, 6>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 7: matmul_rows<T, 7>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
+      default: matmul_rows<T, 8>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
     }
-  });
+  }
+}
+
+// x's sum over each group of values: (R, K / GROUP), for formats with a min
+template <class T>
+std::vector<float> group_sums(const float* x, int64_t ldx, int64_t R, int64_t K) {
+  const int64_t ngroups = K / T::GROUP;
+  std::vector<float> xsum(T::HAS_MIN ? R * ngroups : 0);
+  if constexpr (T::HAS_MIN)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t g = 0; g < ngroups; ++g) {
+        float s = 0.0f;
+        for (int j = 0; j < T::GROUP; ++j) s += x[r * ldx + g * T::GROUP + j];
+        xsum[r * ngroups + g] = s;
+      }
+  return xsum;
 }
 
 // format codes: GGML's type ids; kvgen's own formats above 1000
@@ -350,16 +381,40 @@ void check_weight(const at::Tensor& w, int64_t K, int64_t QK, int64_t BYTES, boo
               " bytes, not what ", K, " input features need");
 }
 
-// x (R, K) float32 rows -> (R, N) float32
-at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t format) {
+// x (R, K) float32 rows times the row segments ws[i] (each in formats[i]) -> (R, sum of their rows).
+// One parallel loop over all output rows: a fused projection stored in several tensors (q, k
+// and v; gate and up) or formats is one call, its parts read where they are stored.
+at::Tensor qmatmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef formats) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "kvgen: x must be (rows, K) float32");
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
-  const int64_t K = x.size(1);
-  dispatch(format, [&](auto t) {
-    using T = decltype(t);
-    check_weight(w, K, T::QK, T::BYTES, has_row_scale<T>());
-    matmul<T>(x.data_ptr<float>(), x.stride(0), x.size(0), w.data_ptr<uint8_t>(), w.stride(0), w.size(0), K,
-              y.data_ptr<float>(), y.stride(0));
+  TORCH_CHECK(ws.size() == formats.size() && !ws.empty(), "kvgen: one format per weight segment");
+  const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0);
+  const float* xp = x.data_ptr<float>();
+  struct Segment { int64_t format, start, rows, row_bytes; const uint8_t* w; std::vector<float> xsum; };
+  std::vector<Segment> segments;
+  int64_t N = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    dispatch(formats[i], [&](auto t) {
+      using T = decltype(t);
+      check_weight(ws[i], K, T::QK, T::BYTES, has_row_scale<T>());
+      segments.push_back({formats[i], N, ws[i].size(0), ws[i].stride(0), ws[i].data_ptr<uint8_t>(),
+                          group_sums<T>(xp, ldx, R, K)});
+    });
+    N += ws[i].size(0);
+  }
+  at::Tensor y = at::empty({R, N}, x.options());
+  float* yp = y.data_ptr<float>();
+  // grain: enough output rows per task that a task streams a few kB of weights
+  const int64_t grain = std::max<int64_t>(1, 16384 / segments[0].row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (const Segment& seg : segments) {
+      const int64_t lo = std::max(n0, seg.start), hi = std::min(n1, seg.start + seg.rows);
+      if (lo >= hi) continue;
+      dispatch(seg.format, [&](auto t) {
+        using T = decltype(t);
+        matmul_range<T>(xp, ldx, R, seg.xsum.data(), seg.w, seg.row_bytes, lo - seg.start, hi - seg.start, K,
+                        yp + seg.start, N);
+      });
+    }
   });
   return y;
 }
@@ -382,7 +437,7 @@ void dequantize_(at::Tensor out, const at::Tensor& w, int64_t format) {
 }  // namespace
 
 TORCH_LIBRARY(kvgen, m) {
-  m.def("qmatmul(Tensor x, Tensor w, int format) -> Tensor");
+  m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
 }
 

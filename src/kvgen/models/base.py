@@ -225,6 +225,7 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
     """Put each :class:`PackedWeight` of ``state_dict`` in place: its ``nn.Linear`` / ``nn.Embedding``
     becomes a quantized layer (layers tied to it too), and the entry leaves ``state_dict``."""
     from kvgen.models.packed import PackedWeight
+    from kvgen.models.decode_blocks import run_blocks_eagerly
     from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
     packed = {name: w for name, w in state_dict.items() if isinstance(w, PackedWeight)}
@@ -249,6 +250,7 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
                 replacement = QuantizedLinear(weight, bias)
             model.set_submodule(holder, replacement)
         del state_dict[name]
+    run_blocks_eagerly(model)
 
 
 def _refuse_foreign_cache(model, args, kwargs) -> None:

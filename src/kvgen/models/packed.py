@@ -3,8 +3,9 @@
 A packed weight is an (out_features, in_features) matrix stored as row segments, each a
 (rows, row_bytes) uint8 tensor in one format: a GGUF block type (Q4_0 ... Q6_K, F16, BF16)
 or one of kvgen's load-time formats (int8 rows with a scale each, int4 groups of 32/64/128).
-Fused projections whose parts were stored in different formats (Gemma 3's q/k in Q5_0, v in
-Q8_0) keep one segment per format. ``kvgen.kernels`` multiplies and dequantizes them.
+Fused projections keep one segment per stored part (q, k and v; gate and up), read where the
+file holds them (no copy), whatever their formats (Gemma 3's q/k in Q5_0, v in Q8_0).
+``kvgen.kernels`` multiplies and dequantizes them.
 """
 
 from __future__ import annotations
@@ -102,18 +103,10 @@ class PackedWeight:
 
 
 def cat_rows(parts: list) -> torch.Tensor | PackedWeight:
-    """Stack the rows of tensors (``torch.cat``) or of packed weights (one segment per run of a format)."""
+    """Stack the rows of tensors (``torch.cat``) or of packed weights (their segments, not copied)."""
     if not any(isinstance(p, PackedWeight) for p in parts):
         return torch.cat(parts, dim=0)
     if not all(isinstance(p, PackedWeight) for p in parts) or len({p.in_features for p in parts}) != 1:
         raise ValueError("cannot fuse packed weights with float ones or with other input sizes; "
                          "load with dtype=torch.float32 to dequantize them all")
-    runs: list[tuple[int, list[torch.Tensor]]] = []
-    for part in parts:
-        for format, data in part.segments:
-            if runs and runs[-1][0] == format:
-                runs[-1][1].append(data)
-            else:
-                runs.append((format, [data]))
-    return PackedWeight([(format, torch.cat(datas) if len(datas) > 1 else datas[0]) for format, datas in runs],
-                        parts[0].in_features)
+    return PackedWeight([segment for part in parts for segment in part.segments], parts[0].in_features)

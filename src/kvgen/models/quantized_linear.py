@@ -45,24 +45,26 @@ class _Packed(nn.Module):
 
     def __init__(self, weight: PackedWeight):
         super().__init__()
-        self.formats = [format for format, _ in weight.segments]
-        self.in_features = weight.in_features
-        for i, (_, data) in enumerate(weight.segments):
-            self.register_buffer(f"packed_{i}", data)
+        self.weight = weight
 
     @property
     def weight(self) -> PackedWeight:
-        return PackedWeight([(f, getattr(self, f"packed_{i}")) for i, f in enumerate(self.formats)],
-                            self.in_features)
+        return PackedWeight(list(zip(self.formats, self._segments)), self.in_features)
 
     @weight.setter
-    def weight(self, weight: PackedWeight) -> None:  # tying: share another layer's stored weight
+    def weight(self, weight: PackedWeight) -> None:  # also tying: share another layer's stored weight
         if not isinstance(weight, PackedWeight):
             raise TypeError(f"{type(self).__name__} holds a PackedWeight; cannot assign a {type(weight).__name__}")
         self.formats = [format for format, _ in weight.segments]
         self.in_features = weight.in_features
+        for name in [n for n in self._buffers if n.startswith("packed_")]:
+            del self._buffers[name]
         for i, (_, data) in enumerate(weight.segments):
-            self._buffers[f"packed_{i}"] = data
+            self.register_buffer(f"packed_{i}", data)
+
+    @property
+    def _segments(self) -> list[torch.Tensor]:
+        return [self._buffers[f"packed_{i}"] for i in range(len(self.formats))]
 
 
 class QuantizedLinear(_Packed):
@@ -85,15 +87,18 @@ class QuantizedLinear(_Packed):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_cpu(x)
         rows = x.numel() // self.in_features
-        x2 = x.reshape(rows, self.in_features).float().contiguous()  # (rows, in)
+        x2 = x.reshape(rows, self.in_features)  # (rows, in)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
         if rows <= MAX_ROWS:
-            parts = [torch.ops.kvgen.qmatmul(x2, data, format) for format, data in self.weight.segments]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # (rows, out)
+            y = torch.ops.kvgen.qmatmul(x2, self._segments, self.formats)  # (rows, out)
             if self.bias is not None:
                 y = y + self.bias
         else:
             y = F.linear(x2, _dequantized(self.weight), self.bias)
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \
