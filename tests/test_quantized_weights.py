@@ -219,3 +219,24 @@ def test_gemma3_quantized_matches_dequantized_on_a_long_prompt(gemma3_gguf):
     assert worst < 1e-3, worst
     out = [m.generate(ids, max_new_tokens=20) for m in (quantized, reference)]
     assert torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "BF16"), (torch.float16, "F16")])
+def test_16bit_checkpoints_keep_their_width_and_compute_in_float32(tmp_path, dtype, name, monkeypatch):
+    import transformers
+
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(config).to(dtype).save_pretrained(tmp_path)
+    stored = kvgen.AutoModelForCausalLM.from_pretrained(tmp_path, dtype="auto")
+    upcast = kvgen.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)  # the same values, 4 bytes
+    assert stored.weight_format == name and stored.dtype == torch.float32
+    assert isinstance(stored.model.embed_tokens, QuantizedEmbedding)
+    assert stored.lm_head.packed_0 is stored.model.embed_tokens.packed_0
+    packed = sum(b.numel() for b in stored.buffers() if b.dtype == torch.uint8)
+    assert packed == 2 * sum(p.numel() for n, p in upcast.named_parameters() if "norm" not in n)
+    ids = torch.randint(0, 160, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert compare_decoding(stored, upcast, ids, steps=10) < 1e-4

@@ -123,8 +123,11 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         """Load from an HF folder (single or sharded safetensors), a hub id, a GGUF file, or a CTranslate2 folder.
 
         A GGUF file's weights stay in their stored types unless ``dtype`` is given (then they are
-        dequantized, as in transformers). ``quantization_config`` (a :class:`kvgen.TorchAoConfig`
-        or its dict) quantizes a float checkpoint's linear layers at load: int8 or int4.
+        dequantized, as in transformers). On the CPU, ``dtype="auto"`` keeps a bfloat16 or float16
+        checkpoint's linear and embedding weights at that width and computes in float32 (this
+        CPU has no 16-bit arithmetic; the weights stream at half the bytes). ``quantization_config``
+        (a :class:`kvgen.TorchAoConfig` or its dict) quantizes a float checkpoint's linear layers
+        at load: int8 or int4.
         """
         from kvgen.quantization import parse_quantization_config
         from kvgen.loading.checkpoint import load_safetensors_state_dict, read_generation_config
@@ -158,8 +161,15 @@ class PreTrainedModel(nn.Module, GenerationMixin):
             state_dict = load_safetensors_state_dict(folder)
             generation = read_generation_config(folder)
         model_cls = cls._class_for(config)
-        model = model_cls._from_state_dict(config, state_dict, parse_dtype(dtype, config),
-                                           parse_device_map(device_map))
+        compute_dtype, device = parse_dtype(dtype, config), parse_device_map(device_map)
+        keep_width = (dtype == "auto" and compute_dtype in _PACKED_FLOATS and device.type == "cpu"
+                      and quantization is None and gguf_file is None)
+        if keep_width:
+            from kvgen.kernels import kernels_available
+
+            keep_width = kernels_available()
+        model = model_cls._from_state_dict(config, state_dict, torch.float32 if keep_width else compute_dtype, device,
+                                           keep_width=keep_width)
         if quantization is not None:
             quantization.quantize_model(model)
         if generation:
@@ -177,10 +187,12 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         return cls
 
     @classmethod
-    def _from_state_dict(cls, config, state_dict, dtype, device) -> "PreTrainedModel":
+    def _from_state_dict(cls, config, state_dict, dtype, device, keep_width: bool = False) -> "PreTrainedModel":
         with skip_weight_init():
             model = cls(config)
         state_dict = cls.convert_checkpoint(state_dict, config)
+        if keep_width:
+            _pack_16bit_weights(model, state_dict)
         _use_packed_weights(model, state_dict, device)
         seen_ids: set[int] = set()
         expected = {}  # tied tensors (e.g. lm_head = embeddings) are expected once, under their first name
@@ -219,6 +231,22 @@ class PreTrainedModel(nn.Module, GenerationMixin):
 
     def init_buffers(self, device) -> None:
         """Recreate non-persistent buffers (e.g. rotary tables) that the meta-device build left empty."""
+
+
+_PACKED_FLOATS = {torch.bfloat16: 30, torch.float16: 1}  # dtype -> its stored format (GGML type id)
+
+
+def _pack_16bit_weights(model: nn.Module, state_dict: dict) -> None:
+    """Turn the bfloat16/float16 weights of ``model``'s linear and embedding layers into packed weights
+    that keep their width (rows whose length is not a multiple of 32 stay float)."""
+    from kvgen.models.packed import PackedWeight, can_pack
+
+    for name, module in model.named_modules():
+        weight = state_dict.get(f"{name}.weight")
+        if isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(weight, torch.Tensor) \
+                and weight.dtype in _PACKED_FLOATS and can_pack(_PACKED_FLOATS[weight.dtype], weight.shape[1]):
+            rows = weight.contiguous().view(torch.uint8)  # (out, 2 * in): the stored bytes
+            state_dict[f"{name}.weight"] = PackedWeight([(_PACKED_FLOATS[weight.dtype], rows)], weight.shape[1])
 
 
 def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device) -> None:
