@@ -6,7 +6,12 @@ torchao weight-only settings. The layers become :class:`~kvgen.models.quantized_
 over kvgen's formats (:mod:`kvgen.models.packed`):
 
 * int8: symmetric, one float32 scale per output row (``absmax / 127``), row = K int8 + scale;
-* int4: asymmetric groups, float32 scale ``(max - min) / 15`` and min, codes 0..15.
+* int4: asymmetric groups, float32 scale ``(high - low) / 15`` and ``low``, codes 0..15, where
+  ``[low, high]`` is the group's [min, max] narrowed by the least-squared-error pick among 25
+  cuts (as the KIVI cache quantizer picks its 2-bit key ranges).
+
+As transformers does, ``lm_head`` (the output embedding) stays in float unless
+``modules_to_not_convert`` says otherwise.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from kvgen.cache.quantizers import _search_range
 from kvgen.models.packed import PackedWeight
 
 _INT4_GROUPS = (32, 64, 128)
+_CUTS = (0.0, 0.05, 0.1, 0.15, 0.2)
+_RANGE_CUTS = tuple((a, b) for a in _CUTS for b in _CUTS)  # 25 candidate ranges per int4 group
 
 
 def quantize_int8(w: torch.Tensor) -> PackedWeight:
@@ -41,6 +49,8 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> PackedWeight:
                          f"size among {[g for g in _INT4_GROUPS if k % g == 0] or _INT4_GROUPS} that does")
     g = w.float().reshape(n, k // group_size, group_size)
     low, high = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)  # (N, groups, 1)
+    # per group, the narrowed range [low + a span, high - b span] of least squared error (outliers clip)
+    low, high = _search_range(g, low, high, _RANGE_CUTS, 15, torch.float32)
     scale = (high - low) / 15
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round((g - low) / scale).clamp_(0, 15).to(torch.uint8)  # (N, groups, G)
@@ -56,7 +66,7 @@ class TorchAoConfig:
 
     ``quant_type``: ``"int8_weight_only"`` (per output channel) or ``"int4_weight_only"``
     (groups of ``group_size``: 32, 64 or 128). ``modules_to_not_convert``: names of linear
-    layers kept in float (e.g. ``["lm_head"]``).
+    layers kept in float (default ``["lm_head"]``; ``[]`` quantizes it too).
 
     Example:
         >>> from kvgen import AutoModelForCausalLM, TorchAoConfig
@@ -66,7 +76,7 @@ class TorchAoConfig:
 
     quant_type: str
     group_size: int = 128
-    modules_to_not_convert: list[str] = field(default_factory=list)
+    modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
 
     def __post_init__(self):
         if self.quant_type not in ("int8_weight_only", "int4_weight_only"):

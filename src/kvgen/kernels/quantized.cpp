@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -434,14 +435,144 @@ void dequantize_(at::Tensor out, const at::Tensor& w, int64_t format) {
   });
 }
 
+// -- small decode-time ops --------------------------------------------------------------------------
+
+inline float hsum(vf v) {  // a tree of halves
+  const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vi hi4 = {4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7};
+  const vi hi2 = {2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3};
+  v += __builtin_shuffle(v, hi8);
+  v += __builtin_shuffle(v, hi4);
+  v += __builtin_shuffle(v, hi2);
+  return v[0] + v[1];
+}
+
+// exp of 16 lanes: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6 (Cephes' expf,
+// within 2 ulp); lanes below -87 (masked scores: -inf) give exactly 0
+inline vf vexp(vf x) {
+  const vi zero_mask = x > -87.0f;
+  x = x < -87.0f ? splat(-87.0f) : x;
+  x = x > 88.0f ? splat(88.0f) : x;
+  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + 0.5f * ((x > 0.0f) ? splat(1.0f) : splat(-1.0f)), vi), vf);
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi bits = (vi)p + (__builtin_convertvector(n, vi) << 23);
+  return (vf)(bits & zero_mask);
+}
+
+// x (rows, D) float32 contiguous -> x / sqrt(mean(x^2) + eps) * weight, one pass per row
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && weight.scalar_type() == at::kFloat &&
+              weight.is_contiguous() && x.size(-1) == weight.numel(), "kvgen: rms_norm takes contiguous float32");
+  const int64_t D = weight.numel(), rows = x.numel() / D;
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * D;
+    double ss = 0.0;
+    for (int64_t j = 0; j < D; ++j) ss += (double)xr[j] * xr[j];
+    const float scale = 1.0f / std::sqrt((float)(ss / D) + (float)eps);
+    for (int64_t j = 0; j < D; ++j) yp[r * D + j] = xr[j] * scale * wp[j];
+  }
+  return y;
+}
+
+// Attention of a few query positions: q (B, H, T, D), k and v (B, Hkv, S, D) (any strides, the
+// last dim contiguous, D a multiple of 16), mask: bool (B or 1, 1, T, S), True where allowed, or
+// undefined (all allowed). softcap > 0: scores become tanh(s / softcap) * softcap. Returns
+// (B, H, T, D) as a view of (B, T, H, D) storage, so the caller's transpose + flatten is free.
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                     double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "kvgen: attention takes 4-D float32");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(D % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0,
+              "kvgen: attention needs a head size that is a multiple of 16 and contiguous heads");
+  const bool masked = mask.has_value() && mask->defined();
+  const bool* mp = nullptr;
+  int64_t mb = 0, mt = 0;
+  at::Tensor m;
+  if (masked) {
+    m = mask->contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(2) == T && m.size(3) == S,
+                "kvgen: attention mask must be bool (B or 1, 1, T, S)");
+    mp = m.data_ptr<bool>();
+    mb = m.size(0) == 1 ? 0 : T * S;
+    mt = S;
+  }
+  at::Tensor out = at::empty({B, T, H, D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / Hkv, nv = D / 16;
+  const float sc = (float)scale, cap = (float)softcap;
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores((S + 15) / 16 * 16);
+    std::vector<vf> acc(nv);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / H, h = i % H, g = h / group;
+      const float* kb = kp + b * k.stride(0) + g * k.stride(1);
+      const float* vb_ = vp + b * v.stride(0) + g * v.stride(1);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* qt = qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
+        float best = -INFINITY;
+        for (int64_t s = 0; s < S; ++s) {
+          const float* ks = kb + s * k.stride(2);
+          vf d = loadf(qt) * loadf(ks);
+          for (int64_t j = 1; j < nv; ++j) d += loadf(qt + 16 * j) * loadf(ks + 16 * j);
+          scores[s] = hsum(d) * sc;
+        }
+        for (int64_t s = 0; s < S; ++s) {
+          float score = scores[s];
+          if (cap > 0.0f) score = std::tanh(score / cap) * cap;
+          if (masked && !mp[b * mb + t * mt + s]) score = -INFINITY;
+          scores[s] = score;
+          best = std::max(best, score);
+        }
+        for (int64_t s = S; s < (int64_t)scores.size(); ++s) scores[s] = -INFINITY;
+        vf total = {};
+        for (int64_t s = 0; s < (int64_t)scores.size(); s += 16) {
+          const vf p = vexp(loadf(scores.data() + s) - best);
+          std::memcpy(scores.data() + s, &p, 64);
+          total += p;
+        }
+        for (auto& a : acc) a = vf{};
+        for (int64_t s = 0; s < S; ++s) {
+          if (scores[s] == 0.0f) continue;
+          const vf p = splat(scores[s]);
+          const float* vs = vb_ + s * v.stride(2);
+          for (int64_t j = 0; j < nv; ++j) acc[j] += p * loadf(vs + 16 * j);
+        }
+        const vf inv = splat(1.0f / hsum(total));
+        float* o = op + ((b * T + t) * H + h) * D;
+        for (int64_t j = 0; j < nv; ++j) {
+          const vf r = acc[j] * inv;
+          std::memcpy(o + 16 * j, &r, 64);
+        }
+      }
+    }
+  });
+  return out.transpose(1, 2);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvgen, m) {
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("qmatmul", qmatmul);
   m.impl("dequantize_", dequantize_);
+  m.impl("rms_norm", rms_norm);
+  m.impl("attention", attention);
 }

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import GEMMA3_TYPES
+from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
 from kvgen.models.linear import Linear
@@ -114,10 +115,11 @@ class GemmaAttention(nn.Module):
         mask, is_causal = masks(self.layer_idx, self.sliding_window)  # before the update: it asks the cache
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, cache_kwargs)
-        if self.softcap is None:
+        out = native.attention(q, k, v, mask, is_causal, self.scaling, self.softcap)
+        if out is None and self.softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling,
                                                  enable_gqa=self.num_heads != self.num_kv_heads)
-        else:
+        elif out is None:
             out = softcapped_attention(q, k, v, mask, is_causal, self.scaling, self.softcap)
         return out.transpose(1, 2).flatten(2)
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
 from kvgen.models.linear import Linear
@@ -33,8 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused kernel, bit for bit the same as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:  # one fused kernel (float32 rounding aside, the same as below)
+            return native.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -82,8 +83,10 @@ class Attention(nn.Module):
         mask, is_causal = masks(self.layer_idx, self.sliding_window)  # before the update: it asks the cache
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, cache_kwargs)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = native.attention(q, k, v, mask, is_causal, self.scaling)
+        if out is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling,
+                                                 enable_gqa=self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).flatten(2)
 
 
