@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -560,6 +561,7 @@ def _load_gguf_cached(path: Path, **overrides: Any) -> PreTrainedTokenizerFast:
 
     folder = cache_folder(path) / "tokenizer"
     if not (folder / "tokenizer.json").is_file():
+        print(f"kvgen: building the tokenizer of {path.name} (once per file)", file=sys.stderr)
         tokenizer = _load_gguf(path)
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)

@@ -65,8 +65,11 @@ def read_index(path: Path, open_reader) -> tuple[dict[str, Any], list[IndexedTen
     except (OSError, ValueError):
         index = None
     if index is None:
+        import sys
+
         from kvgen.loading.gguf import _field_value
 
+        print(f"kvgen: indexing {path.name} (once per file)", file=sys.stderr)
         reader = open_reader(path)
         index = {
             "metadata": {name: _field_value(field) for name, field in reader.fields.items() if name not in _VOCABULARY},
