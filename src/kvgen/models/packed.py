@@ -87,9 +87,9 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(data.numel() for _, data in self.segments)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 (out_features, in_features) matrix, exactly as gguf dequantizes it."""
-        out = torch.empty(self.shape)
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 (out_features, in_features) matrix, exactly as gguf dequantizes it (into ``out``)."""
+        out = torch.empty(self.shape) if out is None else out
         start = 0
         for format, data in self.segments:
             torch.ops.kvgen.dequantize_(out[start:start + data.shape[0]], data, format)

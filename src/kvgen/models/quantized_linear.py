@@ -26,12 +26,7 @@ def _dequantized(weight: PackedWeight) -> torch.Tensor:
     n, k = weight.shape
     if _scratch.numel() < n * k:
         _scratch = torch.empty(n * k)
-    out = _scratch[: n * k].view(n, k)
-    start = 0
-    for format, data in weight.segments:
-        torch.ops.kvgen.dequantize_(out[start:start + data.shape[0]], data, format)
-        start += data.shape[0]
-    return out
+    return weight.dequantize(out=_scratch[: n * k].view(n, k))
 
 
 def _check_cpu(x: torch.Tensor) -> None:
