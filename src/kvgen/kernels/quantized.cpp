@@ -510,54 +510,89 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   at::Tensor out = at::empty({B, T, H, D}, q.options());
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t group = H / Hkv, nv = D / 16;
+  const int64_t G = H / Hkv, nv = D / 16, rows = G * T;  // the query rows that share one key head
   const float sc = (float)scale, cap = (float)softcap;
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores((S + 15) / 16 * 16);
-    std::vector<vf> acc(nv);
+  // Flash-decoding: tasks are (batch, key head, chunk of keys); each reads its keys and values once
+  // for all the query rows of its group and leaves a partial (max, sum, weighted values); the
+  // partials are merged after.
+  const int64_t CHUNK = 128, C = (S + CHUNK - 1) / CHUNK;
+  std::vector<float> part_max(B * Hkv * C * rows), part_sum(B * Hkv * C * rows), part_acc(B * Hkv * C * rows * D);
+  at::parallel_for(0, B * Hkv * C, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(rows * CHUNK);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / H, h = i % H, g = h / group;
-      const float* kb = kp + b * k.stride(0) + g * k.stride(1);
-      const float* vb_ = vp + b * v.stride(0) + g * v.stride(1);
-      for (int64_t t = 0; t < T; ++t) {
-        const float* qt = qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
-        float best = -INFINITY;
-        for (int64_t s = 0; s < S; ++s) {
-          const float* ks = kb + s * k.stride(2);
-          vf d = loadf(qt) * loadf(ks);
-          for (int64_t j = 1; j < nv; ++j) d += loadf(qt + 16 * j) * loadf(ks + 16 * j);
-          scores[s] = hsum(d) * sc;
-        }
-        for (int64_t s = 0; s < S; ++s) {
-          float score = scores[s];
+      const int64_t b = i / (Hkv * C), g = (i / C) % Hkv, c = i % C;
+      const int64_t s0 = c * CHUNK, n = std::min(CHUNK, S - s0);
+      const float* kb = kp + b * k.stride(0) + g * k.stride(1) + s0 * k.stride(2);
+      const float* vb_ = vp + b * v.stride(0) + g * v.stride(1) + s0 * v.stride(2);
+      for (int64_t s = 0; s < n; ++s) {
+        const float* ks = kb + s * k.stride(2);
+        for (int64_t r = 0; r < rows; ++r) {  // row r: head g * G + r / T, position r % T
+          const float* qr = qp + b * q.stride(0) + (g * G + r / T) * q.stride(1) + (r % T) * q.stride(2);
+          vf d = loadf(qr) * loadf(ks);
+          for (int64_t j = 1; j < nv; ++j) d += loadf(qr + 16 * j) * loadf(ks + 16 * j);
+          float score = hsum(d) * sc;
           if (cap > 0.0f) score = std::tanh(score / cap) * cap;
-          if (masked && !mp[b * mb + t * mt + s]) score = -INFINITY;
-          scores[s] = score;
-          best = std::max(best, score);
+          if (masked && !mp[b * mb + (r % T) * mt + s0 + s]) score = -INFINITY;
+          scores[r * CHUNK + s] = score;
         }
-        for (int64_t s = S; s < (int64_t)scores.size(); ++s) scores[s] = -INFINITY;
+      }
+      float* pm = part_max.data() + i * rows;
+      float* ps = part_sum.data() + i * rows;
+      float* pa = part_acc.data() + i * rows * D;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = scores.data() + r * CHUNK;
+        float best = -INFINITY;
+        for (int64_t s = 0; s < n; ++s) best = std::max(best, sr[s]);
+        for (int64_t s = n; s < CHUNK; ++s) sr[s] = -INFINITY;
         vf total = {};
-        for (int64_t s = 0; s < (int64_t)scores.size(); s += 16) {
-          const vf p = vexp(loadf(scores.data() + s) - best);
-          std::memcpy(scores.data() + s, &p, 64);
-          total += p;
-        }
-        for (auto& a : acc) a = vf{};
-        for (int64_t s = 0; s < S; ++s) {
-          if (scores[s] == 0.0f) continue;
-          const vf p = splat(scores[s]);
-          const float* vs = vb_ + s * v.stride(2);
-          for (int64_t j = 0; j < nv; ++j) acc[j] += p * loadf(vs + 16 * j);
-        }
-        const vf inv = splat(1.0f / hsum(total));
-        float* o = op + ((b * T + t) * H + h) * D;
-        for (int64_t j = 0; j < nv; ++j) {
-          const vf r = acc[j] * inv;
-          std::memcpy(o + 16 * j, &r, 64);
+        if (best > -INFINITY)
+          for (int64_t s = 0; s < CHUNK; s += 16) {
+            const vf e = vexp(loadf(sr + s) - best);
+            std::memcpy(sr + s, &e, 64);
+            total += e;
+          }
+        else
+          std::fill(sr, sr + CHUNK, 0.0f);  // every key of this chunk masked for this row
+        pm[r] = best;
+        ps[r] = hsum(total);
+        std::fill(pa + r * D, pa + (r + 1) * D, 0.0f);
+      }
+      for (int64_t s = 0; s < n; ++s) {
+        const float* vs = vb_ + s * v.stride(2);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float w = scores[r * CHUNK + s];
+          if (w == 0.0f) continue;
+          float* a = pa + r * D;
+          for (int64_t j = 0; j < nv; ++j) {
+            const vf x = loadf(a + 16 * j) + splat(w) * loadf(vs + 16 * j);
+            std::memcpy(a + 16 * j, &x, 64);
+          }
         }
       }
     }
   });
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t base = (b * Hkv + g) * C;
+        float best = -INFINITY;
+        for (int64_t c = 0; c < C; ++c) best = std::max(best, part_max[(base + c) * rows + r]);
+        float total = 0.0f;
+        std::vector<vf> acc(nv, vf{});
+        for (int64_t c = 0; c < C; ++c) {
+          const float m = part_max[(base + c) * rows + r];
+          if (m == -INFINITY) continue;
+          const float f = std::exp(m - best);
+          total += part_sum[(base + c) * rows + r] * f;
+          const float* a = part_acc.data() + ((base + c) * rows + r) * D;
+          for (int64_t j = 0; j < nv; ++j) acc[j] += splat(f) * loadf(a + 16 * j);
+        }
+        float* o = op + ((b * T + r % T) * H + g * G + r / T) * D;
+        for (int64_t j = 0; j < nv; ++j) {
+          const vf x = acc[j] * (1.0f / total);
+          std::memcpy(o + 16 * j, &x, 64);
+        }
+      }
   return out.transpose(1, 2);
 }
 

@@ -51,7 +51,7 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0 + self.weight.float()
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, scale, self.eps)
+            return native.rms_norm(x, scale, self.eps)
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * scale).to(x.dtype)  # Gemma scales in float32, then casts (Llama casts first)
