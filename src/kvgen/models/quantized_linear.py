@@ -2,10 +2,10 @@
 
 Decode-sized inputs (at most :data:`~kvgen.models.decode_blocks.MAX_ROWS` rows) run
 ``torch.ops.kvgen.qmatmul``: one pass over the stored bytes, each block decoded in registers
-and multiplied by every row, float32 accumulation. Larger inputs (prefill) are compute-bound:
-the weight is dequantized into a scratch buffer reused by every layer, then multiplied by
-the float32 matmul. Dequantization is exact (as gguf's), so both paths compute with the
-very weights a float32 model would hold and differ from it only in summation order.
+and multiplied by every row (``d * sum(q * x) + m * sum(x)`` per group, float32 accumulation).
+Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch buffer
+reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul.
+Both paths compute with the weights a float32 model would hold, up to float32 rounding order.
 """
 
 from __future__ import annotations
