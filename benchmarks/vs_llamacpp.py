@@ -95,6 +95,8 @@ def kvgen_worker(model: str, threads: int) -> dict:
     read_bw = max(src.numel() * 4 / _timed(src.sum) for _ in range(5))
     del src
     result = {"weight_format": m.weight_format, "read_bandwidth": read_bw, "decode_tok_s": {}, "roofline": {}}
+    weights = sum(b.numel() * b.element_size() for b in m.buffers() if b.dtype == torch.uint8) + \
+        sum(p.numel() * p.element_size() for p in m.parameters())  # bytes a decode step streams
     with torch.no_grad():
         m(ids[:, :8], past_key_values=DynamicCache())  # warm-up: compiled blocks, kernels, page faults
         cache = DynamicCache()
@@ -110,13 +112,11 @@ def kvgen_worker(model: str, threads: int) -> dict:
                 token = m(token, past_key_values=cache).logits[:, -1:].argmax(-1)
             seconds = (time.perf_counter() - start) / NEW
             result["decode_tok_s"][str(batch)] = batch / seconds
-            weights = sum(b.numel() * b.element_size() for b in m.buffers() if b.dtype == torch.uint8) + \
-                sum(p.numel() * p.element_size() for p in m.parameters())
             kv = cache.nbytes() * (PROMPT + 3 + NEW / 2) / cache.get_seq_length()  # mean context of the steps
             result["roofline"][str(batch)] = (weights + kv) / read_bw / seconds
-    import resource
+    from kvgen.bench import peak_rss_mb
 
-    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["peak_rss_mb"] = peak_rss_mb()
     return result
 
 

@@ -96,14 +96,9 @@ def _make_cache(model, name: str, cache_config, max_cache_len: int):
                         dtype=model.dtype, cache_config=cache_config)
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory in MB."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports kB
-
-
 def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: _Clock) -> str:
+    from kvgen.bench import peak_rss_mb
+
     prefill = clock.prefill_seconds()
     return (f"[kvgen] cache={type(cache).__name__} prompt_tokens={prompt_tokens} new_tokens={new_tokens} "
             f"prefill_s={prefill:.3f} prompt_tok_per_s={prompt_tokens / prefill:.1f} "
