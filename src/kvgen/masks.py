@@ -19,7 +19,9 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
 
     Args:
         query_positions: (Q,) cache positions of the queries.
-        key_positions: (K,) cache position held by each key slot, -1 for an empty slot.
+        key_positions: (K,) cache position held by each key slot, -1 for an empty slot; or (Q, K)
+            when each query row has slots of its own (a ragged batch over a paged cache: -1 where
+            a slot is not the row's sequence).
         padding_mask: (B, L) with 1 for real tokens and 0 for padding, indexed by cache
             position; ``L`` must cover every position in ``key_positions``.
         sliding_window: a query sees at most this many positions, itself included.
@@ -30,7 +32,7 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
         ``(None, True)`` when the plain causal mask of SDPA is exact, else ``(mask, False)``.
     """
     q = query_positions.view(-1, 1)  # (Q, 1)
-    k = key_positions.view(1, -1)  # (1, K)
+    k = key_positions if key_positions.dim() == 2 else key_positions.view(1, -1)  # (Q or 1, K)
     allowed = (k >= 0) & (k <= q)  # (Q, K)
     if sliding_window is not None:
         allowed &= k > q - sliding_window
@@ -38,13 +40,16 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
     if not static and not has_padding:
         if bool(allowed.all()):
             return None, False
-        n = key_positions.shape[0]
-        if (query_positions.shape[0] == n and sliding_window is None
+        n = key_positions.shape[-1]
+        if (key_positions.dim() == 1 and query_positions.shape[0] == n and sliding_window is None
                 and torch.equal(query_positions, key_positions)):
             return None, True
     mask = allowed[None, None]  # (1, 1, Q, K)
     if has_padding:
         # Slots past the mask's end hold future positions, which the causal rule already hides.
+        if key_positions.dim() == 2:
+            raise ValueError("a padding mask cannot be combined with per-row key positions (ragged batches have "
+                             "no padding)")
         real = padding_mask.bool()[:, key_positions.clamp(0, padding_mask.shape[1] - 1)]  # (B, K)
         mask = mask & real[:, None, None, :]
     # A query that may see nothing (a padding token before any real one) attends to itself,

@@ -140,6 +140,29 @@ class GenerationMixin:
                 scores=scores, logits=logits, beam_indices=search.sequence_beam_indices, past_key_values=cache)
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache)
 
+    def generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
+                       continuous_batching_config=None, tokenizer=None, **settings):
+        """Generate for many prompts at once with continuous batching over a paged KV cache.
+
+        Returns ``{request_id: GenerationOutput}`` (ids ``req_0``, ``req_1``, ... in input order).
+        ``settings`` are per-request settings of :meth:`ContinuousBatchingManager.add_request`
+        (``max_new_tokens``, ``do_sample``, ``seed``, ...).
+
+        Example:
+            >>> outputs = model.generate_batch([[1, 2, 3], [4, 5]], max_new_tokens=8)   # doctest: +SKIP
+            >>> outputs["req_0"].generated_tokens                                       # doctest: +SKIP
+        """
+        from kvgen.serving.engine import generate_batch
+
+        return generate_batch(self, inputs, generation_config, continuous_batching_config, tokenizer, **settings)
+
+    def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
+                                 continuous_batching_config=None, tokenizer=None):
+        """A :class:`kvgen.serving.engine.ContinuousBatchingManager` for this model (call ``start()`` on it)."""
+        from kvgen.serving.engine import ContinuousBatchingManager
+
+        return ContinuousBatchingManager(self, generation_config, continuous_batching_config, tokenizer)
+
     def _prompt_inputs(self, input_ids, attention_mask, config: GenerationConfig):
         """The prompt on the model's device, with an attention mask (from padding when not given)."""
         device = self.device

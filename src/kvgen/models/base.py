@@ -350,6 +350,14 @@ class LayerMasks:
         return self._built[group]
 
 
+def keep_logit_rows(x: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The rows of ``x`` (B, T, hidden) to compute logits for: the last ``n`` (0: all), or the indices of a 1-D tensor
+    (as in transformers; a ragged batch keeps the last token of each sequence)."""
+    if isinstance(logits_to_keep, torch.Tensor):
+        return x[:, logits_to_keep]  # (B, len(logits_to_keep), hidden)
+    return x[:, -logits_to_keep:] if logits_to_keep else x
+
+
 def finish_cache(cache: Cache | None, legacy: bool) -> Any:
     """What ``forward`` returns as ``past_key_values``."""
     if cache is not None and legacy:

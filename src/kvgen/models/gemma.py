@@ -23,7 +23,7 @@ from torch import nn
 
 from kvgen.config import GEMMA3_TYPES
 from kvgen.models import native
-from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
+from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
 from kvgen.models.linear import Linear
 from kvgen.models.llama import LlamaForCausalLM
@@ -230,7 +230,7 @@ class GemmaForCausalLM(PreTrainedModel):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values=None,
                 cache_position: torch.LongTensor | None = None, use_cache: bool | None = None,
-                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int = 0,
+                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
                 return_dict: bool = True) -> CausalLMOutputWithPast:
         """Run the new tokens through the model, reading and extending ``past_key_values``.
 
@@ -258,7 +258,7 @@ class GemmaForCausalLM(PreTrainedModel):
         for layer, kind in zip(self.model.layers, self.config.layer_types):
             kind = SLIDING if kind == SLIDING else FULL
             x = layer(x, *tables[kind], masks, cache, cache_kwargs[kind])
-        logits = _logits(self, x[:, -logits_to_keep:] if logits_to_keep else x)
+        logits = _logits(self, keep_logit_rows(x, logits_to_keep))
         out = CausalLMOutputWithPast(logits=logits, past_key_values=finish_cache(cache, legacy))
         return out if return_dict else out.to_tuple()
 

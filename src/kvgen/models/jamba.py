@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import PretrainedConfig
-from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
+from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.llama import ACTIVATIONS, RMSNorm
 from kvgen.models.mamba import MambaMixer, padding_of_new_tokens
 from kvgen.outputs import CausalLMOutputWithPast
@@ -202,7 +202,7 @@ class JambaForCausalLM(PreTrainedModel):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values=None,
                 cache_position: torch.LongTensor | None = None, use_cache: bool | None = None,
-                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int = 0,
+                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0,
                 return_dict: bool = True) -> CausalLMOutputWithPast:
         """Run the new tokens through the model, reading and extending ``past_key_values``.
 
@@ -221,6 +221,6 @@ class JambaForCausalLM(PreTrainedModel):
         padding = padding_of_new_tokens(attention_mask, cache_position)
         for layer in self.model.layers:
             x = layer(x, masks, cache, cache_position, padding)
-        x = self.model.final_layernorm(x[:, -logits_to_keep:] if logits_to_keep else x)
+        x = self.model.final_layernorm(keep_logit_rows(x, logits_to_keep))
         out = CausalLMOutputWithPast(logits=self.lm_head(x), past_key_values=finish_cache(cache, legacy))
         return out if return_dict else out.to_tuple()

@@ -18,7 +18,7 @@ from torch import nn
 
 from kvgen.cache.dynamic import as_cache
 from kvgen.config import PretrainedConfig
-from kvgen.models.base import PreTrainedModel, finish_cache, prepare_decoder_inputs
+from kvgen.models.base import PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.llama import ACTIVATIONS, RMSNorm
 from kvgen.models.selective_scan import causal_conv, selective_ssm
 from kvgen.outputs import CausalLMOutputWithPast
@@ -163,7 +163,7 @@ class MambaForCausalLM(PreTrainedModel):
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values=None,
                 cache_position: torch.LongTensor | None = None, use_cache: bool | None = None,
-                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int = 0, return_dict: bool = True,
+                inputs_embeds: torch.Tensor | None = None, logits_to_keep: int | torch.Tensor = 0, return_dict: bool = True,
                 cache_params=None) -> MambaCausalLMOutput:
         """Run the new tokens through the model, reading and advancing the state in ``past_key_values``.
 
@@ -193,7 +193,7 @@ class MambaForCausalLM(PreTrainedModel):
         padding = padding_of_new_tokens(attention_mask, cache_position)
         for layer in self.backbone.layers:
             x = layer(x, cache, cache_position, padding)
-        x = x[:, -logits_to_keep:] if logits_to_keep else x
+        x = keep_logit_rows(x, logits_to_keep)
         x = self.backbone.norm_f(x.to(self.backbone.norm_f.weight.dtype))
         logits = self.lm_head(x.to(self.lm_head.weight.dtype)).float()
         out = MambaCausalLMOutput(logits=logits, past_key_values=finish_cache(cache, legacy))

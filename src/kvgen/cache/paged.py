@@ -1,0 +1,173 @@
+"""A paged KV cache: one pool of fixed-size blocks per attention layer, shared by many sequences.
+
+Each layer's keys and values live in one preallocated tensor ``(1, kv_heads, num_blocks *
+block_size, head_dim)``; a sequence's tokens sit in the slots of the blocks its block table
+lists (bookkeeping in :mod:`kvgen.serving.blocks`). A forward pass takes a *ragged* batch,
+flattened to batch 1: the new tokens of several sequences side by side, with no padding.
+Before the pass the runner says where each new token goes (``slot_mapping``) and which
+position every pool slot holds *for each query row* (``key_positions``, -1 where the slot is
+not the row's sequence). To the model this is one more cache behind the two calls of the
+seam: ``update()`` writes the new keys/values in place and returns the pool in use, and
+``key_positions()`` gives :mod:`kvgen.masks` what it needs to build the mask (own sequence,
+causal, sliding window) from positions, as for every other cache.
+
+Example:
+    >>> cache = PagedAttentionCache(model.config, num_blocks=64)            # doctest: +SKIP
+    >>> cache.begin_step(slot_mapping, key_positions)                        # doctest: +SKIP
+    >>> logits = model(ids, position_ids=pos[None], cache_position=pos,
+    ...                past_key_values=cache).logits                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
+
+_UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
+
+
+def parse_memory(size: int | float | str) -> int | float:
+    """``"512MB"``/``"2GiB"``/``1 << 30`` -> bytes (int); a fraction in (0, 1] (``0.5``, ``"0.5"``) stays a float:
+    that share of the free memory.
+
+    Example:
+        >>> parse_memory("512MB"), parse_memory(0.5)
+        (536870912, 0.5)
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:([kmg])i?b?|(b))?\s*", str(size).lower())
+    if match and not isinstance(size, bool) and float(match[1]) > 0:
+        value, unit = float(match[1]), match[2] or match[3] or ""
+        return value if not unit and value <= 1 and "." in match[1] else int(value * _UNITS[unit])
+    raise ValueError(f"cannot read the memory size {size!r}: write bytes or e.g. '512MB', '2GiB', or a fraction in "
+                     "(0, 1] of the free memory such as 0.5")
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for new tensors on ``device`` (CUDA: the driver's figure; CPU: MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class PagedLayer(CacheLayer):
+    """One attention layer's block pool; the per-pass state lives in the owning cache."""
+
+    def __init__(self, owner: "PagedAttentionCache", keys: torch.Tensor, values: torch.Tensor):
+        self.owner, self.pool_keys, self.pool_values = owner, keys, values  # (1, Hkv, slots, D) each
+
+    def update(self, key, value, cache_position):
+        """Write ``key``/``value`` (1, Hkv, T, D) at this pass's slots; return the pool's slots in use."""
+        slots, used = self.owner.slot_mapping, self.owner.used_slots
+        self.pool_keys.index_copy_(2, slots, key.to(self.pool_keys.dtype))
+        self.pool_values.index_copy_(2, slots, value.to(self.pool_values.dtype))
+        return self.pool_keys[:, :, :used], self.pool_values[:, :, :used]
+
+    def key_positions(self, cache_position):
+        return self.owner.row_key_positions  # (T, used): per query row, as masks.attention_mask takes it
+
+    def get_seq_length(self) -> int:
+        return 0  # many sequences: positions come from the runner, never from the cache
+
+    def get_max_cache_shape(self) -> int | None:
+        return self.pool_keys.shape[2]
+
+    @property
+    def keys(self):
+        return self.pool_keys
+
+    @property
+    def values(self):
+        return self.pool_values
+
+    def reset(self) -> None:
+        self.pool_keys.zero_()
+        self.pool_values.zero_()
+
+    def nbytes(self) -> int:
+        return self.pool_keys.nbytes + self.pool_values.nbytes
+
+    def map_tensors(self, fn) -> None:
+        self.pool_keys, self.pool_values = fn(self.pool_keys), fn(self.pool_values)
+
+
+class PagedAttentionCache(Cache):
+    """Block pools of every attention layer, preallocated from a budget.
+
+    Args:
+        config: the model's config (layers, kv heads, head size).
+        num_blocks: pool size in blocks; or give ``max_memory`` (bytes, ``"512MB"``, or a
+            fraction in (0, 1] of the free memory) and the pool takes what fits.
+        block_size: tokens per block (16).
+
+    Example:
+        >>> cache = PagedAttentionCache(config, max_memory="256MB", dtype=torch.float32)  # doctest: +SKIP
+        >>> cache.num_blocks, cache.block_size                                           # doctest: +SKIP
+        (2730, 16)
+    """
+
+    def __init__(self, config, num_blocks: int | None = None, block_size: int = 16,
+                 max_memory: int | float | str | None = None, device=None, dtype=torch.float32):
+        config = text_config(config)
+        kinds = config_value(config, "layer_types") or ["full_attention"] * config_value(config, "num_hidden_layers")
+        if any(kind not in ("full_attention", "sliding_attention") for kind in kinds):
+            raise ValueError(f"PagedAttentionCache holds attention layers only; this model has {sorted(set(kinds))}")
+        heads = config_value(config, "num_attention_heads")
+        kv_heads = config_value(config, "num_key_value_heads") or heads
+        head_dim = config_value(config, "head_dim") or config_value(config, "hidden_size") // heads
+        device = torch.device(device or "cpu")
+        self.block_size, self.dtype = block_size, dtype
+        self.bytes_per_block = len(kinds) * 2 * kv_heads * block_size * head_dim * dtype.itemsize
+        if num_blocks is None:
+            if max_memory is None:
+                raise ValueError("PagedAttentionCache needs num_blocks or max_memory (bytes, '512MB' or a fraction)")
+            budget = parse_memory(max_memory)
+            if isinstance(budget, float):
+                budget = int(budget * free_memory(device))
+            num_blocks = budget // self.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV cache budget of {max_memory!r} holds no block: one block of {block_size} tokens takes "
+                f"{self.bytes_per_block} bytes for this model ({len(kinds)} layers x {kv_heads} kv heads x "
+                f"{head_dim} x keys and values); raise the budget")
+        self.num_blocks = num_blocks
+        slots = num_blocks * block_size
+        super().__init__(layers=[PagedLayer(self, torch.zeros(1, kv_heads, slots, head_dim, device=device, dtype=dtype),
+                                            torch.zeros(1, kv_heads, slots, head_dim, device=device, dtype=dtype))
+                                 for _ in kinds])
+        self.slot_mapping = torch.zeros(0, dtype=torch.long, device=device)
+        self.row_key_positions = torch.zeros(0, 0, dtype=torch.long, device=device)
+        self.used_slots = 0
+
+    def begin_step(self, slot_mapping: torch.Tensor, row_key_positions: torch.Tensor) -> None:
+        """Set the next pass: ``slot_mapping`` (T,) slot of each new token, ``row_key_positions`` (T, used)
+        the position each of the first ``used`` slots holds for each query row (-1: not its sequence)."""
+        self.slot_mapping, self.row_key_positions = slot_mapping, row_key_positions
+        self.used_slots = row_key_positions.shape[1]
+
+    def copy_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """Copy the keys/values of slots ``source`` to ``target`` in every layer (copy-on-write of a block)."""
+        for layer in self.layers:
+            layer.pool_keys.index_copy_(2, target, layer.pool_keys.index_select(2, source))
+            layer.pool_values.index_copy_(2, target, layer.pool_values.index_select(2, source))
+
+    def check_cache_position(self, cache_position: torch.Tensor) -> None:
+        if cache_position.shape[0] != self.slot_mapping.shape[0]:
+            raise ValueError(f"the pass feeds {cache_position.shape[0]} tokens but begin_step() placed "
+                             f"{self.slot_mapping.shape[0]}; call begin_step() before each forward pass")
+
+    def record_token_ids(self, input_ids, cache_position) -> None:
+        """Token ids are tracked per sequence by the scheduler, not here."""
+
+    def mask_group(self, layer_idx: int) -> tuple:
+        return (PagedLayer,)

@@ -1,0 +1,149 @@
+"""Bookkeeping of a paged KV cache's blocks: who owns which block, which full blocks hold which prefix.
+
+No tensors here (they live in :class:`kvgen.cache.paged.PagedAttentionCache`): a block is an
+index into the pool. A sequence holds a list of block ids (its block table); block ``j`` of
+the table holds the sequence's positions ``j * block_size ... (j + 1) * block_size - 1``.
+
+Automatic prefix caching: once a block is full, it is keyed by the hash of the previous
+block's key and its own token ids, so a key names the whole prefix up to the block's end.
+A new sequence whose prompt starts with a cached chain takes those blocks as they are (shared,
+reference counted: no recompute, no copy). Blocks that no sequence holds any more keep their
+contents and key, and are reused least recently used first when the pool runs out.
+
+Example:
+    >>> pool = BlockPool(num_blocks=8, block_size=4)
+    >>> table = pool.allocate(2)                      # two fresh blocks
+    >>> keys = pool.keys_of([1, 2, 3, 4, 5, 6, 7, 8])
+    >>> for block, key in zip(table, keys): pool.register(block, key)
+    >>> pool.free(table)                              # contents stay cached
+    >>> pool.match_prefix(pool.keys_of([1, 2, 3, 4, 5, 6, 7, 8, 9])) == table
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from collections import OrderedDict
+
+
+def block_hash(previous: bytes | None, token_ids) -> bytes:
+    """Key of a full block: a hash of the previous block's key and this block's token ids."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(previous or b"\0" * 16)
+    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids))
+    return h.digest()
+
+
+class BlockPool:
+    """Free blocks, reference counts and the prefix cache of one pool of ``num_blocks`` blocks.
+
+    Fresh blocks are handed out lowest index first, which keeps the part of the pool in use
+    (and so the keys attention scans) compact.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a block pool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free = list(range(num_blocks))  # a heap of blocks holding nothing reusable
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}  # full block -> its prefix key
+        self._block_of: dict[bytes, int] = {}  # prefix key -> block
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced full blocks, least recently used first
+        self.hits = self.queries = 0  # prefix-cache counters, in tokens
+
+    # -- capacity ----------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that :meth:`allocate` can hand out now (free or evictable cached)."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    # -- allocation --------------------------------------------------------------------------------
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks for new contents; raises ``MemoryError`` when fewer are available (nothing taken)."""
+        if n > self.num_free:
+            raise MemoryError(f"{n} blocks asked, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = heapq.heappop(self._free)
+            else:  # evict the least recently used cached prefix block
+                block, _ = self._cached.popitem(last=False)
+                del self._block_of[self._key_of.pop(block)]
+            self._refs[block] = 1
+            out.append(block)
+        return out
+
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of each of ``blocks`` (a sibling sequence, a prefix hit)."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                self._cached.pop(block)
+            self._refs[block] += 1
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one holder of each block; a block nobody holds is free again (kept cached when full)."""
+        for block in reversed(blocks):  # the tail of a prefix is evicted before its head
+            self._refs[block] -= 1
+            if self._refs[block] < 0:
+                raise RuntimeError(f"block {block} freed more often than it was held")
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._cached[block] = None
+                else:
+                    heapq.heappush(self._free, block)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
+
+    # -- prefix cache ------------------------------------------------------------------------------
+    def keys_of(self, token_ids, previous: bytes | None = None) -> list[bytes]:
+        """Prefix keys of every full block of ``token_ids`` (after a chain ending in ``previous``)."""
+        keys, size = [], self.block_size
+        for start in range(0, len(token_ids) - size + 1, size):
+            previous = block_hash(previous, token_ids[start: start + size])
+            keys.append(previous)
+        return keys
+
+    def match_prefix(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest chain of ``keys`` (now held for the caller)."""
+        found = []
+        for key in keys:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            found.append(block)
+        self.share(found)
+        return found
+
+    def count_query(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.queries += prompt_tokens
+        self.hits += hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens served from cached blocks so far."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    def register(self, block: int, key: bytes) -> None:
+        """Key the full ``block`` by its prefix key. When that prefix is cached already in another
+        block, this one stays unkeyed (plain storage, freed as such); the first copy serves hits."""
+        if block not in self._key_of and key not in self._block_of:
+            self._key_of[block] = key
+            self._block_of[key] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks' contents are about to become invalid)."""
+        for block in list(self._cached):
+            heapq.heappush(self._free, block)
+        self._cached.clear()
+        self._key_of.clear()
+        self._block_of.clear()

@@ -1,0 +1,388 @@
+"""The continuous-batching loop: requests join and leave between forward passes.
+
+:class:`ContinuousBatchingManager` runs the loop in a background thread (transformers 5's
+API: ``start()``, ``add_request()``, ``get_result()``, ``request_id_iter()``,
+``cancel_request()``, ``stop()``); ``model.generate_batch()`` and
+``model.init_continuous_batching()`` are built on it. Each step schedules a ragged batch
+(:mod:`kvgen.serving.scheduler`), runs it (:mod:`kvgen.serving.runner`) and hands every
+request's new token to its output queue.
+
+Example:
+    >>> manager = model.init_continuous_batching(max_memory="256MB")        # doctest: +SKIP
+    >>> manager.start()                                                     # doctest: +SKIP
+    >>> rid = manager.add_request(tokenizer("Hello").input_ids, max_new_tokens=8)  # doctest: +SKIP
+    >>> manager.get_result(rid, timeout=60).generated_tokens                # doctest: +SKIP
+    [11, 314, ...]
+    >>> manager.stop()                                                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from kvgen.cache.paged import PagedAttentionCache
+from kvgen.generation.config import GenerationConfig
+from kvgen.serving.blocks import BlockPool
+from kvgen.serving.runner import ModelRunner
+from kvgen.serving.scheduler import RequestStatus, SamplingParams, Scheduler, Sequence
+
+
+@dataclass
+class GenerationOutput:
+    """A request's state as delivered to the caller (transformers' fields, plus ``finish_reason``)."""
+
+    request_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    error: str | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: str | None = None
+    cached_prompt_tokens: int = 0
+    created_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """Sizes of the paged cache and of each step.
+
+    ``max_memory``: the KV cache budget (bytes, ``"512MB"``, or a fraction of free memory),
+    unless ``num_blocks`` is given. ``max_batch_tokens``: tokens per forward pass (prompts are
+    prefilled in chunks of what is left). ``max_num_seqs``: running sequences at most.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_memory: int | float | str = "1GiB"
+    max_batch_tokens: int = 256
+    max_num_seqs: int = 32
+    prefix_caching: bool = True
+    max_queue: int | None = None  # waiting requests at most (None: no bound); add_request raises QueueFull past it
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds ``max_queue`` requests already; retry later."""
+
+
+class _Handle:
+    """What the loop keeps per request: its sequences and its output queue."""
+
+    def __init__(self, request_id: str, streaming: bool):
+        self.request_id, self.streaming = request_id, streaming
+        self.outputs: queue.Queue[GenerationOutput] = queue.Queue()
+        self.created = time.perf_counter()
+        self.first_token: float | None = None
+
+
+class ContinuousBatchingManager:
+    """Serves many generation requests at once over one paged KV cache.
+
+    Example:
+        >>> with model.continuous_batching_context_manager() as manager:         # doctest: +SKIP
+        ...     rid = manager.add_request([1, 2, 3], max_new_tokens=4)
+        ...     manager.get_result(rid, timeout=10).generated_tokens
+    """
+
+    def __init__(self, model, generation_config: GenerationConfig | None = None,
+                 config: ContinuousBatchingConfig | None = None, tokenizer=None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = config or ContinuousBatchingConfig()
+        self.generation_config = (generation_config or model.generation_config).copy().fill_unset(
+            model.generation_config).fill_unset()
+        self.cache = PagedAttentionCache(model.config, num_blocks=self.config.num_blocks,
+                                         block_size=self.config.block_size, max_memory=self.config.max_memory,
+                                         device=model.device, dtype=model.dtype)
+        self.pool = BlockPool(self.cache.num_blocks, self.config.block_size)
+        self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_batch_tokens,
+                                   self.config.prefix_caching)
+        self.runner = ModelRunner(model, self.cache)
+        self.context_length = model.config.get("max_position_embeddings")
+        self._incoming: queue.Queue = queue.Queue()
+        self._handles: dict[str, _Handle] = {}
+        self._counter = itertools.count()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.steps = self.generated_tokens = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="kvgen-continuous-batching", daemon=True)
+        self._thread.start()
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, block: bool = True, timeout: float | None = None) -> None:
+        """Stop the loop (requests still running are cancelled)."""
+        self._stopping = True
+        self._wake.set()
+        if block and self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- requests ----------------------------------------------------------------------------------
+    def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
+                    streaming: bool = False, eos_token_id: int | list[int] | None = None, *,
+                    do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                    top_p: float | None = None, seed: int | None = None, stop_strings: str | list[str] | None = None,
+                    num_return_sequences: int | None = None, top_logprobs: int = 0) -> str:
+        """Queue a request; returns its id. Settings left ``None`` come from the manager's generation config.
+
+        With ``num_return_sequences=n > 1`` the request yields ``n`` results: ``request_id`` and
+        ``f"{request_id}__child#{i}"``, which share the prompt's cached blocks.
+        Raises ``ValueError`` for a request that can never run (empty, longer than the context or
+        than the whole cache) and :class:`QueueFull` when the waiting queue is at ``max_queue``.
+        """
+        g = self.generation_config
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens if max_new_tokens is not None else (g.max_new_tokens or 20),
+            do_sample=g.do_sample if do_sample is None else do_sample,
+            temperature=g.temperature if temperature is None else temperature,
+            top_k=g.top_k if top_k is None else top_k, top_p=g.top_p if top_p is None else top_p, seed=seed,
+            eos_token_ids=tuple(_as_list(eos_token_id if eos_token_id is not None else g.eos_token_id)),
+            stop_strings=tuple(_as_list(stop_strings)),
+            num_return_sequences=num_return_sequences or g.num_return_sequences or 1, top_logprobs=top_logprobs)
+        prompt = self._check_request(input_ids, params)
+        with self._lock:
+            request_id = request_id if request_id is not None else f"req_{next(self._counter)}"
+            if request_id in self._handles:
+                raise ValueError(f"request id {request_id!r} is in use; pass another or None")
+            limit = self.config.max_queue
+            if limit is not None and self._waiting_count() >= limit:
+                raise QueueFull(f"{limit} requests are waiting already; retry later")
+            ids = [request_id] + [f"{request_id}__child#{i}" for i in range(params.num_return_sequences - 1)]
+            for rid in ids:
+                self._handles[rid] = _Handle(rid, streaming)
+        self._incoming.put(("add", Sequence(request_id, prompt, params)))
+        self._wake.set()
+        return request_id
+
+    def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
+                     **settings) -> list[str]:
+        return [self.add_request(ids, max_new_tokens=max_new_tokens, streaming=streaming, **settings)
+                for ids in inputs]
+
+    def cancel_request(self, request_id: str) -> None:
+        """Stop a request; its blocks go back to the pool before the next step."""
+        self._incoming.put(("cancel", request_id))
+        self._wake.set()
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next output of ``request_id`` (with ``request_id=None``: of any request), or None on timeout.
+
+        A non-streaming request delivers one output, when it finishes; a streaming one, one per token.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            handles = [self._handles.get(request_id)] if request_id is not None else list(self._handles.values())
+            for handle in handles:
+                if handle is not None:
+                    try:
+                        output = handle.outputs.get_nowait()
+                    except queue.Empty:
+                        continue
+                    if output.is_finished():
+                        with self._lock:
+                            self._handles.pop(handle.request_id, None)
+                    return output
+            if request_id is not None and handles[0] is None:
+                raise KeyError(f"no request {request_id!r} (unknown, or its final result was taken already)")
+            if self.error is not None:
+                raise RuntimeError("the continuous-batching loop failed") from self.error
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+            if not self.is_running() and all(h.outputs.empty() for h in handles if h is not None):
+                raise RuntimeError("the continuous-batching loop is not running: call start()")
+            time.sleep(0.002)
+
+    def request_id_iter(self, request_id: str):
+        """Yield the outputs of ``request_id`` until it finishes (streaming requests: one per token)."""
+        while True:
+            output = self.get_result(request_id, timeout=0.1)
+            if output is not None:
+                yield output
+                if output.is_finished():
+                    return
+
+    # -- metrics -----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters for monitoring: queues, blocks, prefix-cache hit rate, steps, tokens."""
+        return {"running": len(self.scheduler.running), "waiting": self._waiting_count(),
+                "blocks_total": self.pool.num_blocks, "blocks_free": self.pool.num_free,
+                "prefix_cache_hit_rate": self.pool.hit_rate, "prefix_cache_hit_tokens": self.pool.hits,
+                "prefix_cache_query_tokens": self.pool.queries, "preemptions": self.scheduler.preemptions,
+                "steps": self.steps, "generated_tokens": self.generated_tokens}
+
+    def _waiting_count(self) -> int:
+        return len(self.scheduler.waiting) + self._incoming.qsize()
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _check_request(self, input_ids, params: SamplingParams) -> list[int]:
+        if hasattr(input_ids, "tolist"):
+            input_ids = input_ids.tolist()
+        if any(isinstance(t, (list, tuple)) for t in input_ids):
+            raise ValueError("add_request takes one prompt (a list of token ids); use add_requests for several")
+        prompt = [int(t) for t in input_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty: pass at least one token id")
+        if params.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        vocab = self.model.config.get("vocab_size")
+        if vocab and not all(0 <= t < vocab for t in prompt):
+            raise ValueError(f"the prompt holds token ids outside the vocabulary [0, {vocab})")
+        total = len(prompt) + params.max_new_tokens
+        if self.context_length and len(prompt) > self.context_length:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, more than the model's context of "
+                             f"{self.context_length}; shorten it")
+        if self.context_length and total > self.context_length:
+            raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds "
+                             f"the model's context of {self.context_length}; lower max_new_tokens to at most "
+                             f"{self.context_length - len(prompt)}")
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise ValueError(f"the prompt plus max_new_tokens ({total} tokens) needs {self.pool.blocks_for(total)} "
+                             f"blocks but the whole KV cache holds {self.pool.num_blocks}; raise max_memory or "
+                             "lower max_new_tokens")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer: init_continuous_batching(tokenizer=...)")
+        if params.do_sample and params.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
+        return prompt
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._take_incoming()
+                if not self.scheduler.has_work():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                batch = self.scheduler.schedule()
+                if not batch:  # every block is held by waiting prefixes: cannot happen with checked requests
+                    raise RuntimeError("the scheduler found nothing to run while requests are waiting")
+                for seq, _ in batch:
+                    if seq.status == RequestStatus.PENDING:
+                        seq.status = RequestStatus.PREFILLING
+                results = self.runner.step(batch)
+                self.steps += 1
+                for seq, n in batch:
+                    self.scheduler.computed(seq, n)
+                for seq, token, logprob, top in results:
+                    self._append(seq, token, logprob, top)
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._end(seq, RequestStatus.FAILED, error="the manager stopped")
+        except BaseException as error:  # deliver the failure to every caller, then stop
+            self.error = error
+            traceback.print_exc()
+            for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._end(seq, RequestStatus.FAILED, error=repr(error))
+
+    def _take_incoming(self) -> None:
+        while True:
+            try:
+                kind, item = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.scheduler.add(item)
+            else:
+                for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    if seq.request_id == item or seq.request_id.startswith(f"{item}__child#"):
+                        self._end(seq, RequestStatus.FINISHED, finish_reason="cancelled")
+
+    def _append(self, seq: Sequence, token: int, logprob: float, top: dict[int, float]) -> None:
+        first = not seq.generated
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.top_logprobs.append(top)
+        self.generated_tokens += 1
+        seq.status = RequestStatus.DECODING
+        handle = self._handles.get(seq.request_id)
+        if handle is not None and handle.first_token is None:
+            handle.first_token = time.perf_counter()
+        if first and seq.params.num_return_sequences > 1 and "__child#" not in seq.request_id:
+            self._fork(seq)
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            self._end(seq, RequestStatus.FINISHED, finish_reason=reason)
+        elif handle is not None and handle.streaming:
+            handle.outputs.put(self._output(seq))
+
+    def _fork(self, seq: Sequence) -> None:
+        """Queue the siblings of ``seq`` first: they find its prompt's full blocks in the prefix cache."""
+        for i in range(seq.params.num_return_sequences - 1):
+            params = SamplingParams(**{**vars(seq.params), "seed": None if seq.params.seed is None
+                                       else seq.params.seed + i + 1})
+            self.scheduler.add(Sequence(f"{seq.request_id}__child#{i}", seq.prompt, params), front=True)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in seq.params.eos_token_ids:
+            return "stop"
+        if seq.params.stop_strings:
+            tail = self.tokenizer.decode(seq.generated[-32:])
+            if any(stop in tail for stop in seq.params.stop_strings):
+                return "stop"
+        if len(seq.generated) >= seq.params.max_new_tokens:
+            return "length"
+        return None
+
+    def _end(self, seq: Sequence, status: RequestStatus, finish_reason: str | None = None,
+             error: str | None = None) -> None:
+        self.scheduler.finish(seq, status)
+        seq.finish_reason = finish_reason
+        handle = self._handles.get(seq.request_id)
+        if handle is not None:
+            output = self._output(seq)
+            output.error = error
+            handle.outputs.put(output)
+
+    def _output(self, seq: Sequence) -> GenerationOutput:
+        handle = self._handles.get(seq.request_id)
+        return GenerationOutput(
+            request_id=seq.request_id, prompt_ids=list(seq.prompt), generated_tokens=list(seq.generated),
+            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), status=seq.status,
+            finish_reason=seq.finish_reason, cached_prompt_tokens=seq.cached_prompt_tokens,
+            created_time=handle.created if handle else time.perf_counter(),
+            first_token_time=handle.first_token if handle else None)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return [value] if isinstance(value, (int, str)) else list(value)
+
+
+def generate_batch(model, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
+                   continuous_batching_config: ContinuousBatchingConfig | None = None, tokenizer=None,
+                   **settings) -> dict[str, GenerationOutput]:
+    """Generate for every prompt of ``inputs`` with continuous batching; outputs by request id (``req_<i>``)."""
+    if not inputs:
+        return {}
+    manager = ContinuousBatchingManager(model, generation_config, continuous_batching_config, tokenizer)
+    with manager:
+        ids = manager.add_requests(inputs, **settings)
+        n = manager.generation_config.num_return_sequences if settings.get("num_return_sequences") is None \
+            else settings["num_return_sequences"]
+        expected = [rid for request in ids for rid in [request] + [f"{request}__child#{i}" for i in range((n or 1) - 1)]]
+        return {rid: manager.get_result(rid) for rid in expected}

@@ -1,0 +1,199 @@
+"""Which tokens of which sequences go into the next forward pass.
+
+First come, first served under two limits: ``max_num_seqs`` running sequences and
+``max_batch_tokens`` tokens per pass. Running sequences come first (one token each when
+decoding, the next chunk of the prompt when still prefilling), then waiting requests in
+arrival order, their prompts cut into chunks that fit the budget left. When the pool has no
+block for a running sequence's next token, the latest arrival is preempted: its blocks go
+back to the pool (full ones stay in the prefix cache) and it waits at the front of the queue,
+to be recomputed from its tokens so far; no request is ever dropped.
+
+Example:
+    >>> scheduler = Scheduler(BlockPool(64, 16), max_num_seqs=8, max_batch_tokens=256)  # doctest: +SKIP
+    >>> scheduler.add(Sequence("a", [1, 2, 3], SamplingParams(max_new_tokens=4)))         # doctest: +SKIP
+    >>> scheduler.schedule()                                                              # doctest: +SKIP
+    [(Sequence('a'), 3)]
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+from kvgen.serving.blocks import BlockPool, block_hash
+
+
+class RequestStatus(IntEnum):
+    """Where a request is (transformers' names)."""
+
+    PENDING = 0
+    PREFILLING = 1
+    DECODING = 2
+    FINISHED = 3
+    FAILED = 4
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings."""
+
+    max_new_tokens: int = 20
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    num_return_sequences: int = 1
+    top_logprobs: int = 0
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's tokens and its place in the pool."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    status: RequestStatus = RequestStatus.PENDING
+    table: list[int] = field(default_factory=list)  # block ids
+    num_computed: int = 0  # leading tokens whose keys/values are in the pool
+    num_keyed: int = 0  # leading blocks of ``table`` registered in the prefix cache
+    keys: list[bytes] = field(default_factory=list)  # prefix keys of the full blocks of ``tokens``
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" or "length"
+    generator: torch.Generator | None = None
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    preemptions: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id!r})"
+
+
+class Scheduler:
+    """Waiting and running queues over one :class:`BlockPool`."""
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int, prefix_caching: bool = True):
+        if max_num_seqs < 1 or max_batch_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_batch_tokens must be >= 1, got {max_num_seqs}, {max_batch_tokens}")
+        self.pool, self.max_num_seqs, self.max_batch_tokens = pool, max_num_seqs, max_batch_tokens
+        self.prefix_caching = prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        """The next pass: ``(sequence, number of its tokens to feed from seq.num_computed)`` pairs."""
+        budget, batch, preempted = self.max_batch_tokens, [], False
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted for an earlier one in this loop
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            while not self._reserve(seq, seq.num_computed + n):
+                victim = max(self.running, key=lambda s: s.arrival)
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            if not seq.table:
+                self._match_prefix(seq)
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if not self._reserve(seq, seq.num_computed + n):
+                break  # wait for blocks; never preempt a running sequence for a new one
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = RequestStatus.PREFILLING
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Start ``seq`` from the longest cached chain of its full blocks (at least one token left to compute)."""
+        if not self.prefix_caching:
+            return
+        full = (len(seq.tokens) - 1) // self.pool.block_size
+        if len(seq.keys) < full:
+            previous = seq.keys[-1] if seq.keys else None
+            start = len(seq.keys) * self.pool.block_size
+            seq.keys += self.pool.keys_of(seq.tokens[start: full * self.pool.block_size], previous)
+        seq.table = self.pool.match_prefix(seq.keys[:full])
+        seq.num_computed, seq.num_keyed = len(seq.table) * self.pool.block_size, len(seq.table)
+        if seq.preemptions == 0:
+            seq.cached_prompt_tokens = seq.num_computed
+            self.pool.count_query(len(seq.prompt), seq.num_computed)
+
+    def _reserve(self, seq: Sequence, tokens: int) -> bool:
+        """Give ``seq`` blocks for its first ``tokens`` tokens; False (nothing taken) when the pool is short."""
+        missing = self.pool.blocks_for(tokens) - len(seq.table)
+        if missing <= 0:
+            return True
+        if missing > self.pool.num_free:
+            return False
+        seq.table += self.pool.allocate(missing)
+        return True
+
+    def computed(self, seq: Sequence, n: int) -> None:
+        """``n`` more tokens of ``seq`` are in the pool: key its blocks that are full now."""
+        seq.num_computed += n
+        if not self.prefix_caching:
+            return
+        size = self.pool.block_size
+        for j in range(seq.num_keyed, seq.num_computed // size):
+            if j == len(seq.keys):
+                seq.keys.append(block_hash(seq.keys[-1] if seq.keys else None, seq.tokens[j * size:(j + 1) * size]))
+            self.pool.register(seq.table[j], seq.keys[j])
+            seq.num_keyed = j + 1
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it first, to be recomputed from its tokens so far."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = RequestStatus.PENDING
+        seq.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, status: RequestStatus = RequestStatus.FINISHED) -> None:
+        """Take ``seq`` out of the queues and give its blocks back at once (finished or cancelled)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = status
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.table)
+        seq.table, seq.num_computed, seq.num_keyed = [], 0, 0

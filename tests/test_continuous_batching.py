@@ -1,0 +1,309 @@
+"""Continuous batching on a paged KV cache: every request as exact as generate() alone, under
+preemption, prefix-cache hits, chunked prefill, cancellation; the block pool; clear errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvgen
+from kvgen import LlamaForCausalLM, PretrainedConfig
+from kvgen.cache.paged import PagedAttentionCache, parse_memory
+from kvgen.masks import attention_mask
+from kvgen.models.decode_blocks import eager_blocks
+from kvgen.serving import ContinuousBatchingConfig, QueueFull, RequestStatus
+from kvgen.serving.blocks import BlockPool
+
+CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+              rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu", eos_token_id=None)
+
+
+@pytest.fixture(autouse=True)
+def _eager():
+    with eager_blocks():  # compiled CPU blocks would only add compile time here
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(PretrainedConfig(**CONFIG)).eval().requires_grad_(False)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)  # peaked distributions: greedy choices are far from ties
+    return m
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 1, vocab: int = 96) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (n,), generator=g)
+    return [torch.randint(0, vocab, (int(length),), generator=g).tolist() for length in lengths]
+
+
+def alone(model, prompt: list[int], new: int) -> list[int]:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def assert_same_as_alone(model, prompts, outputs, new: int, tie: float = 0.0) -> None:
+    """Each output equals generate() on its prompt alone. With ``tie > 0`` a difference is accepted only where
+    generate()'s two best logits were within ``tie`` (float32 summation order decides such a near-tie)."""
+    for i, prompt in enumerate(prompts):
+        ref, got = alone(model, prompt, new), outputs[f"req_{i}"].generated_tokens
+        at = first_difference(ref, got)
+        if at is None:
+            continue
+        logits = model(torch.tensor([prompt + ref[:at]])).logits[0, -1]
+        top2 = logits.topk(2).values
+        assert float(top2[0] - top2[1]) < tie, f"request {i} (prompt {len(prompt)} tokens) differs at new token {at}"
+
+
+def cb(**kwargs) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(**{"num_blocks": 64, "max_batch_tokens": 64, "max_num_seqs": 8, **kwargs})
+
+
+# -- exactness ------------------------------------------------------------------------------------------
+
+
+def test_batch_with_chunked_prefill_equals_generate_alone(model):
+    prompts = random_prompts(12, 1, 150)
+    outputs = model.generate_batch(prompts, max_new_tokens=16, continuous_batching_config=cb(num_blocks=200))
+    assert sorted(outputs) == sorted(f"req_{i}" for i in range(len(prompts)))
+    assert all(o.status == RequestStatus.FINISHED and o.finish_reason == "length" for o in outputs.values())
+    assert_same_as_alone(model, prompts, outputs, 16)
+
+
+def test_staggered_arrivals_equal_generate_alone(model):
+    prompts = random_prompts(8, 5, 120, seed=2)
+    manager = model.init_continuous_batching(continuous_batching_config=cb(num_blocks=200))
+    with manager:
+        ids = []
+        for prompt in prompts:  # each joins while the earlier ones are decoding
+            ids.append(manager.add_request(prompt, max_new_tokens=12))
+            time.sleep(0.02)
+        outputs = {rid: manager.get_result(rid, timeout=120) for rid in ids}
+    assert manager.steps > 12  # the requests overlapped instead of running one after another
+    assert_same_as_alone(model, prompts, outputs, 12)
+
+
+def test_preemption_under_a_small_budget_gives_the_same_outputs(model):
+    prompts = random_prompts(10, 40, 90, seed=3)
+    config = cb(num_blocks=24, max_num_seqs=8, prefix_caching=False)  # 8 sequences need ~48 blocks
+    manager = model.init_continuous_batching(continuous_batching_config=config)
+    with manager:
+        ids = manager.add_requests(prompts, max_new_tokens=20)
+        outputs = {rid: manager.get_result(rid, timeout=300) for rid in ids}
+    assert manager.scheduler.preemptions > 0
+    assert_same_as_alone(model, prompts, outputs, 20)
+    assert manager.pool.num_free == 24
+
+
+def test_a_prefix_cache_hit_gives_the_same_output_as_a_miss(model):
+    shared = random_prompts(1, 100, 101, seed=4)[0]
+    prompts = [shared + tail for tail in random_prompts(3, 3, 20, seed=5)]
+    manager = model.init_continuous_batching(continuous_batching_config=cb(num_blocks=100))
+    with manager:
+        first = manager.get_result(manager.add_request(prompts[0], max_new_tokens=10), timeout=60)
+        rest = [manager.get_result(manager.add_request(p, max_new_tokens=10), timeout=60) for p in prompts[1:]]
+        again = manager.get_result(manager.add_request(prompts[0], max_new_tokens=10), timeout=60)
+    assert first.cached_prompt_tokens == 0
+    assert [o.cached_prompt_tokens for o in rest] == [96, 96]  # the 6 full blocks of the shared 100 tokens
+    assert again.cached_prompt_tokens == 16 * ((len(prompts[0]) - 1) // 16)
+    assert again.generated_tokens == first.generated_tokens
+    outputs = {f"req_{i}": o for i, o in enumerate([first, *rest])}
+    assert_same_as_alone(model, prompts, outputs, 10)
+    stats = manager.stats()
+    assert stats["prefix_cache_hit_tokens"] == 96 * 2 + again.cached_prompt_tokens
+    assert 0 < stats["prefix_cache_hit_rate"] < 1
+
+
+def test_gemma2_sliding_layers_match_generate(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=256, initializer_range=0.2, sliding_window=24,
+                                       query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                       final_logit_softcapping=3.0, eos_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.Gemma2ForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("gemma2_cb")
+    hf.save_pretrained(folder)
+    gemma = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    prompts = random_prompts(5, 10, 80, seed=6, vocab=128)  # most longer than the window
+    outputs = gemma.generate_batch(prompts, max_new_tokens=12, continuous_batching_config=cb(num_blocks=80))
+    assert_same_as_alone(gemma, prompts, outputs, 12)
+
+
+# -- sampling, n, stops ---------------------------------------------------------------------------------
+
+
+def test_sampling_with_a_seed_does_not_depend_on_the_other_requests(model):
+    prompt = random_prompts(1, 30, 31, seed=7)[0]
+    settings = dict(max_new_tokens=15, do_sample=True, temperature=0.8, top_p=0.9, seed=123)
+    with model.init_continuous_batching(continuous_batching_config=cb(num_blocks=100)) as manager:
+        lone = manager.get_result(manager.add_request(prompt, **settings), timeout=60).generated_tokens
+        others = [manager.add_request(p, max_new_tokens=15) for p in random_prompts(4, 5, 60, seed=8)]
+        mine = manager.add_request(prompt, **settings)
+        other_seed = manager.add_request(prompt, **{**settings, "seed": 124})
+        crowded = manager.get_result(mine, timeout=60).generated_tokens
+        different = manager.get_result(other_seed, timeout=60).generated_tokens
+        for rid in others:
+            manager.get_result(rid, timeout=60)
+    assert crowded == lone
+    assert different != lone
+
+
+def test_n_siblings_share_the_prompt_blocks(model):
+    prompt = random_prompts(1, 70, 71, seed=9)[0]
+    outputs = model.generate_batch([prompt], max_new_tokens=10, do_sample=True, seed=5, num_return_sequences=3,
+                                   continuous_batching_config=cb(num_blocks=100))
+    assert sorted(outputs) == ["req_0", "req_0__child#0", "req_0__child#1"]
+    assert [outputs[k].cached_prompt_tokens for k in sorted(outputs)] == [0, 64, 64]  # 4 full blocks shared
+    assert len({tuple(o.generated_tokens) for o in outputs.values()}) == 3
+
+
+def test_eos_stops_one_request_and_not_the_others(model):
+    prompts = random_prompts(3, 10, 40, seed=10)
+    free_run = model.generate_batch(prompts, max_new_tokens=12, continuous_batching_config=cb())
+    eos = free_run["req_0"].generated_tokens[4]
+    stopped = model.generate_batch(prompts, max_new_tokens=12, eos_token_id=eos, continuous_batching_config=cb())
+    tokens = stopped["req_0"].generated_tokens
+    assert tokens == free_run["req_0"].generated_tokens[: tokens.index(eos) + 1]
+    assert stopped["req_0"].finish_reason == "stop"
+    for rid in ("req_1", "req_2"):
+        expected = free_run[rid].generated_tokens
+        cut = expected.index(eos) + 1 if eos in expected else len(expected)
+        assert stopped[rid].generated_tokens == expected[:cut]
+
+
+def test_stop_strings_on_the_real_model(smollm):
+    smollm, tokenizer = smollm
+    prompt = tokenizer("The capital of France is")["input_ids"]
+    free_run = smollm.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):]
+    text = tokenizer.decode(free_run)
+    stop = text.strip().split()[2]  # the third word of the continuation
+    out = smollm.generate_batch([prompt], max_new_tokens=20, stop_strings=stop, tokenizer=tokenizer,
+                                continuous_batching_config=cb(num_blocks=20))["req_0"]
+    assert out.finish_reason == "stop"
+    assert stop in tokenizer.decode(out.generated_tokens)
+    assert stop not in tokenizer.decode(out.generated_tokens[:-1])
+    assert out.generated_tokens == free_run[: len(out.generated_tokens)].tolist()
+
+
+# -- the real model -------------------------------------------------------------------------------------
+
+
+def test_smollm_batch_equals_generate_alone(smollm):
+    from pydoc_data.topics import topics
+
+    smollm, tokenizer = smollm
+    names = ["assert", "assignment", "async", "atom-identifiers", "attribute-access", "augassign"]
+    prompts = [tokenizer(topics[n][: 150 + 120 * i])["input_ids"] for i, n in enumerate(names)]
+    outputs = smollm.generate_batch(prompts, max_new_tokens=24,
+                                    continuous_batching_config=cb(num_blocks=120, max_batch_tokens=128))
+    assert_same_as_alone(smollm, prompts, outputs, 24, tie=1e-3)
+
+
+# -- the manager ----------------------------------------------------------------------------------------
+
+
+def test_streaming_yields_every_token_then_the_final_output(model):
+    prompt = random_prompts(1, 20, 21, seed=11)[0]
+    with model.init_continuous_batching(continuous_batching_config=cb()) as manager:
+        rid = manager.add_request(prompt, max_new_tokens=6, streaming=True)
+        outputs = list(manager.request_id_iter(rid))
+    assert [len(o.generated_tokens) for o in outputs] == [1, 2, 3, 4, 5, 6]
+    assert outputs[-1].is_finished() and not outputs[-2].is_finished()
+    assert outputs[-1].generated_tokens == alone(model, prompt, 6)
+
+
+def test_cancel_frees_the_blocks_at_once(model):
+    with model.init_continuous_batching(continuous_batching_config=cb(num_blocks=40)) as manager:
+        rid = manager.add_request(random_prompts(1, 60, 61)[0], max_new_tokens=400, streaming=True)
+        next(manager.request_id_iter(rid))  # running
+        assert manager.stats()["blocks_free"] < 40
+        manager.cancel_request(rid)
+        outputs = list(manager.request_id_iter(rid))
+        assert outputs[-1].finish_reason == "cancelled"
+        assert len(outputs[-1].generated_tokens) < 400
+        assert manager.stats()["blocks_free"] == 40 and manager.stats()["running"] == 0
+
+
+def test_requests_from_many_threads(model):
+    prompts = random_prompts(6, 5, 50, seed=12)
+    results = {}
+    with model.init_continuous_batching(continuous_batching_config=cb()) as manager:
+        def client(i):
+            rid = manager.add_request(prompts[i], max_new_tokens=8)
+            results[i] = manager.get_result(rid, timeout=120)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert_same_as_alone(model, prompts, {f"req_{i}": results[i] for i in results}, 8)
+
+
+def test_bad_requests_get_clear_errors(model):
+    manager = model.init_continuous_batching(continuous_batching_config=cb(num_blocks=8, max_queue=1))
+    with pytest.raises(ValueError, match="empty"):
+        manager.add_request([])
+    with pytest.raises(ValueError, match="more than the model's context of 512"):
+        manager.add_request([1] * 600)
+    with pytest.raises(ValueError, match="lower max_new_tokens to at most 12"):
+        manager.add_request([1] * 500, max_new_tokens=20)
+    with pytest.raises(ValueError, match="needs 9 blocks but the whole KV cache holds 8"):
+        manager.add_request([1] * 100, max_new_tokens=40)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        manager.add_request([1, 96])
+    with pytest.raises(ValueError, match="one prompt"):
+        manager.add_request([[1, 2], [3]])
+    manager.add_request([1, 2, 3])  # not started: it waits
+    with pytest.raises(QueueFull):
+        manager.add_request([1, 2, 3])
+    with pytest.raises(ValueError, match="holds no block"):
+        PagedAttentionCache(model.config, max_memory="1KB")
+    with pytest.raises(ValueError, match="cannot read the memory size"):
+        parse_memory("lots")
+
+
+# -- pieces ---------------------------------------------------------------------------------------------
+
+
+def test_block_pool_reuses_cached_prefixes_least_recently_used_first():
+    pool = BlockPool(num_blocks=4, block_size=2)
+    a, b = pool.allocate(2), pool.allocate(2)
+    keys_a, keys_b = pool.keys_of([1, 2, 3, 4]), pool.keys_of([5, 6, 7, 8])
+    for blocks, keys in ((a, keys_a), (b, keys_b)):
+        for block, key in zip(blocks, keys):
+            pool.register(block, key)
+    pool.free(a)
+    pool.free(b)
+    assert pool.num_free == 4
+    assert pool.match_prefix(keys_b) == b  # a hit holds the blocks again
+    assert pool.num_free == 2
+    fresh = pool.allocate(1)  # evicts from a's chain, tail first
+    assert fresh == [a[1]]
+    assert pool.match_prefix(keys_a) == [a[0]]
+    with pytest.raises(MemoryError):
+        pool.allocate(1)
+    pool.free(fresh)
+    with pytest.raises(RuntimeError, match="freed more often"):
+        pool.free(fresh)
+
+
+def test_masks_take_per_row_key_positions():
+    # two sequences side by side: rows 0-1 are positions 1-2 of sequence A (slots 0-2), row 2 position 0 of B (slot 3)
+    keys = torch.tensor([[0, 1, 2, -1], [0, 1, 2, -1], [-1, -1, -1, 0]])
+    mask, causal = attention_mask(torch.tensor([1, 2, 0]), keys)
+    assert not causal
+    assert mask[0, 0].tolist() == [[True, True, False, False], [True, True, True, False], [False, False, False, True]]
+    windowed, _ = attention_mask(torch.tensor([1, 2, 0]), keys, sliding_window=2)
+    assert windowed[0, 0, 1].tolist() == [False, True, True, False]
