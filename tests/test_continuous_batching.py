@@ -101,7 +101,7 @@ def test_preemption_under_a_small_budget_gives_the_same_outputs(model):
         outputs = {rid: manager.get_result(rid, timeout=300) for rid in ids}
     assert manager.scheduler.preemptions > 0
     assert_same_as_alone(model, prompts, outputs, 20)
-    assert manager.pool.num_free == 24
+    assert manager.stats()["blocks_free"] == 24
 
 
 def test_a_prefix_cache_hit_gives_the_same_output_as_a_miss(model):
@@ -138,6 +138,20 @@ def test_gemma2_sliding_layers_match_generate(tmp_path_factory):
     prompts = random_prompts(5, 10, 80, seed=6, vocab=128)  # most longer than the window
     outputs = gemma.generate_batch(prompts, max_new_tokens=12, continuous_batching_config=cb(num_blocks=80))
     assert_same_as_alone(gemma, prompts, outputs, 12)
+    # blocks out of the window go back to the sliding layers' pool; full layers keep theirs
+    with gemma.init_continuous_batching(continuous_batching_config=cb(num_blocks=80)) as manager:
+        prompt = random_prompts(1, 100, 101, seed=7, vocab=128)[0]
+        rid = manager.add_request(prompt, max_new_tokens=40, streaming=True)
+        used = []
+        for output in manager.request_id_iter(rid):
+            if not output.is_finished():
+                used.append({kind: pool.num_used for kind, (pool, _) in manager.pools.items()})
+        again = manager.get_result(manager.add_request(prompt, max_new_tokens=40), timeout=60)
+    assert used[-1]["full_attention"] == 9  # 139 positions
+    assert max(u["sliding_attention"] for u in used) <= 3  # a window of 24 spans at most 3 blocks of 16
+    assert manager.stats()["blocks_free"] == 160
+    assert output.generated_tokens == alone(gemma, prompt, 40)
+    assert again.cached_prompt_tokens == 96 and again.generated_tokens == output.generated_tokens
 
 
 # -- sampling, n, stops ---------------------------------------------------------------------------------

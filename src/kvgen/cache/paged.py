@@ -13,7 +13,7 @@ causal, sliding window) from positions, as for every other cache.
 
 Example:
     >>> cache = PagedAttentionCache(model.config, num_blocks=64)            # doctest: +SKIP
-    >>> cache.begin_step(slot_mapping, key_positions)                        # doctest: +SKIP
+    >>> cache.begin_step({"full_attention": (slot_mapping, key_positions)})  # doctest: +SKIP
     >>> logits = model(ids, position_ids=pos[None], cache_position=pos,
     ...                past_key_values=cache).logits                         # doctest: +SKIP
 """
@@ -63,18 +63,19 @@ def free_memory(device: torch.device) -> int:
 class PagedLayer(CacheLayer):
     """One attention layer's block pool; the per-pass state lives in the owning cache."""
 
-    def __init__(self, owner: "PagedAttentionCache", keys: torch.Tensor, values: torch.Tensor):
-        self.owner, self.pool_keys, self.pool_values = owner, keys, values  # (1, Hkv, slots, D) each
+    def __init__(self, owner: "PagedAttentionCache", kind: str, keys: torch.Tensor, values: torch.Tensor):
+        self.owner, self.kind, self.pool_keys, self.pool_values = owner, kind, keys, values  # (1, Hkv, slots, D) each
 
     def update(self, key, value, cache_position):
         """Write ``key``/``value`` (1, Hkv, T, D) at this pass's slots; return the pool's slots in use."""
-        slots, used = self.owner.slot_mapping, self.owner.used_slots
+        slots, positions = self.owner.steps[self.kind]
         self.pool_keys.index_copy_(2, slots, key.to(self.pool_keys.dtype))
         self.pool_values.index_copy_(2, slots, value.to(self.pool_values.dtype))
+        used = positions.shape[1]
         return self.pool_keys[:, :, :used], self.pool_values[:, :, :used]
 
     def key_positions(self, cache_position):
-        return self.owner.row_key_positions  # (T, used): per query row, as masks.attention_mask takes it
+        return self.owner.steps[self.kind][1]  # (T, used): per query row, as masks.attention_mask takes it
 
     def get_seq_length(self) -> int:
         return 0  # many sequences: positions come from the runner, never from the cache
@@ -103,6 +104,11 @@ class PagedLayer(CacheLayer):
 
 class PagedAttentionCache(Cache):
     """Block pools of every attention layer, preallocated from a budget.
+
+    Layers come in kinds (``"full_attention"``, ``"sliding_attention"``, from the config's
+    ``layer_types``); each kind has its own block tables, so that blocks which fall out of a
+    sliding window can go back to their pool while full layers keep theirs. Every kind has
+    ``num_blocks`` blocks.
 
     Args:
         config: the model's config (layers, kv heads, head size).
@@ -141,33 +147,30 @@ class PagedAttentionCache(Cache):
                 f"{self.bytes_per_block} bytes for this model ({len(kinds)} layers x {kv_heads} kv heads x "
                 f"{head_dim} x keys and values); raise the budget")
         self.num_blocks = num_blocks
+        self.kinds = tuple(dict.fromkeys(kinds))
         slots = num_blocks * block_size
-        super().__init__(layers=[PagedLayer(self, torch.zeros(1, kv_heads, slots, head_dim, device=device, dtype=dtype),
-                                            torch.zeros(1, kv_heads, slots, head_dim, device=device, dtype=dtype))
-                                 for _ in kinds])
-        self.slot_mapping = torch.zeros(0, dtype=torch.long, device=device)
-        self.row_key_positions = torch.zeros(0, 0, dtype=torch.long, device=device)
-        self.used_slots = 0
+        super().__init__(layers=[
+            PagedLayer(self, kind, torch.zeros(1, kv_heads, slots, head_dim, device=device, dtype=dtype),
+                       torch.zeros(1, kv_heads, slots, head_dim, device=device, dtype=dtype)) for kind in kinds])
+        self.steps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def begin_step(self, slot_mapping: torch.Tensor, row_key_positions: torch.Tensor) -> None:
-        """Set the next pass: ``slot_mapping`` (T,) slot of each new token, ``row_key_positions`` (T, used)
-        the position each of the first ``used`` slots holds for each query row (-1: not its sequence)."""
-        self.slot_mapping, self.row_key_positions = slot_mapping, row_key_positions
-        self.used_slots = row_key_positions.shape[1]
-
-    def copy_slots(self, source: torch.Tensor, target: torch.Tensor) -> None:
-        """Copy the keys/values of slots ``source`` to ``target`` in every layer (copy-on-write of a block)."""
-        for layer in self.layers:
-            layer.pool_keys.index_copy_(2, target, layer.pool_keys.index_select(2, source))
-            layer.pool_values.index_copy_(2, target, layer.pool_values.index_select(2, source))
+    def begin_step(self, steps: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Set the next pass, per layer kind: ``(slot_mapping, row_key_positions)``: the slot (T,) of each new
+        token, and (T, used) the position each of the first ``used`` slots holds for each query row (-1: not
+        its sequence, or out of its window)."""
+        missing = set(self.kinds) - set(steps)
+        if missing:
+            raise ValueError(f"begin_step() needs slots and key positions for every layer kind; missing {missing}")
+        self.steps = steps
 
     def check_cache_position(self, cache_position: torch.Tensor) -> None:
-        if cache_position.shape[0] != self.slot_mapping.shape[0]:
+        placed = {slots.shape[0] for slots, _ in self.steps.values()}
+        if placed != {cache_position.shape[0]}:
             raise ValueError(f"the pass feeds {cache_position.shape[0]} tokens but begin_step() placed "
-                             f"{self.slot_mapping.shape[0]}; call begin_step() before each forward pass")
+                             f"{sorted(placed)}; call begin_step() before each forward pass")
 
     def record_token_ids(self, input_ids, cache_position) -> None:
         """Token ids are tracked per sequence by the scheduler, not here."""
 
     def mask_group(self, layer_idx: int) -> tuple:
-        return (PagedLayer,)
+        return (PagedLayer, self.layer(layer_idx).kind)

@@ -51,7 +51,6 @@ class BlockPool:
         self._key_of: dict[int, bytes] = {}  # full block -> its prefix key
         self._block_of: dict[bytes, int] = {}  # prefix key -> block
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced full blocks, least recently used first
-        self.hits = self.queries = 0  # prefix-cache counters, in tokens
 
     # -- capacity ----------------------------------------------------------------------------------
     @property
@@ -113,25 +112,19 @@ class BlockPool:
             keys.append(previous)
         return keys
 
+    def lookup(self, keys: list[bytes]) -> list[int | None]:
+        """The cached block of each prefix key (None where there is none); nothing is held."""
+        return [self._block_of.get(key) for key in keys]
+
     def match_prefix(self, keys: list[bytes]) -> list[int]:
         """The cached blocks of the longest chain of ``keys`` (now held for the caller)."""
         found = []
-        for key in keys:
-            block = self._block_of.get(key)
+        for block in self.lookup(keys):
             if block is None:
                 break
             found.append(block)
         self.share(found)
         return found
-
-    def count_query(self, prompt_tokens: int, hit_tokens: int) -> None:
-        self.queries += prompt_tokens
-        self.hits += hit_tokens
-
-    @property
-    def hit_rate(self) -> float:
-        """Share of prompt tokens served from cached blocks so far."""
-        return self.hits / self.queries if self.queries else 0.0
 
     def register(self, block: int, key: bytes) -> None:
         """Key the full ``block`` by its prefix key. When that prefix is cached already in another

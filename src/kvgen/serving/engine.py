@@ -102,8 +102,10 @@ class ContinuousBatchingManager:
         self.cache = PagedAttentionCache(model.config, num_blocks=self.config.num_blocks,
                                          block_size=self.config.block_size, max_memory=self.config.max_memory,
                                          device=model.device, dtype=model.dtype)
-        self.pool = BlockPool(self.cache.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.pool, self.config.max_num_seqs, self.config.max_batch_tokens,
+        windows = {"full_attention": None, "sliding_attention": model.config.get("sliding_window")}
+        self.pools = {kind: (BlockPool(self.cache.num_blocks, self.config.block_size), windows[kind])
+                      for kind in self.cache.kinds}
+        self.scheduler = Scheduler(self.pools, self.config.max_num_seqs, self.config.max_batch_tokens,
                                    self.config.prefix_caching)
         self.runner = ModelRunner(model, self.cache)
         self.context_length = model.config.get("max_position_embeddings")
@@ -196,26 +198,28 @@ class ContinuousBatchingManager:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            handles = [self._handles.get(request_id)] if request_id is not None else list(self._handles.values())
-            for handle in handles:
-                if handle is not None:
-                    try:
-                        output = handle.outputs.get_nowait()
-                    except queue.Empty:
-                        continue
-                    if output.is_finished():
-                        with self._lock:
-                            self._handles.pop(handle.request_id, None)
-                    return output
-            if request_id is not None and handles[0] is None:
+            with self._lock:
+                handles = list(self._handles.values()) if request_id is None else [self._handles.get(request_id)]
+            if handles[0] is None and request_id is not None:
                 raise KeyError(f"no request {request_id!r} (unknown, or its final result was taken already)")
+            wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
+            for handle in handles:
+                try:  # one request: block on its queue; any request: look at each in turn
+                    output = handle.outputs.get(timeout=wait) if request_id is not None else handle.outputs.get_nowait()
+                except queue.Empty:
+                    continue
+                if output.is_finished():
+                    with self._lock:
+                        self._handles.pop(handle.request_id, None)
+                return output
             if self.error is not None:
                 raise RuntimeError("the continuous-batching loop failed") from self.error
             if deadline is not None and time.monotonic() >= deadline:
                 return None
-            if not self.is_running() and all(h.outputs.empty() for h in handles if h is not None):
+            if not self.is_running():
                 raise RuntimeError("the continuous-batching loop is not running: call start()")
-            time.sleep(0.002)
+            if request_id is None:
+                time.sleep(0.002)
 
     def request_id_iter(self, request_id: str):
         """Yield the outputs of ``request_id`` until it finishes (streaming requests: one per token)."""
@@ -230,9 +234,10 @@ class ContinuousBatchingManager:
     def stats(self) -> dict:
         """Counters for monitoring: queues, blocks, prefix-cache hit rate, steps, tokens."""
         return {"running": len(self.scheduler.running), "waiting": self._waiting_count(),
-                "blocks_total": self.pool.num_blocks, "blocks_free": self.pool.num_free,
-                "prefix_cache_hit_rate": self.pool.hit_rate, "prefix_cache_hit_tokens": self.pool.hits,
-                "prefix_cache_query_tokens": self.pool.queries, "preemptions": self.scheduler.preemptions,
+                "blocks_total": sum(pool.num_blocks for pool, _ in self.pools.values()),
+                "blocks_free": sum(pool.num_free for pool, _ in self.pools.values()),
+                "prefix_cache_hit_rate": self.scheduler.hit_rate, "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
+                "prefix_cache_query_tokens": self.scheduler.query_tokens, "preemptions": self.scheduler.preemptions,
                 "steps": self.steps, "generated_tokens": self.generated_tokens}
 
     def _waiting_count(self) -> int:
@@ -260,9 +265,9 @@ class ContinuousBatchingManager:
             raise ValueError(f"the prompt ({len(prompt)} tokens) plus max_new_tokens ({params.max_new_tokens}) exceeds "
                              f"the model's context of {self.context_length}; lower max_new_tokens to at most "
                              f"{self.context_length - len(prompt)}")
-        if self.pool.blocks_for(total) > self.pool.num_blocks:
-            raise ValueError(f"the prompt plus max_new_tokens ({total} tokens) needs {self.pool.blocks_for(total)} "
-                             f"blocks but the whole KV cache holds {self.pool.num_blocks}; raise max_memory or "
+        if self.scheduler.blocks_for(total) > self.cache.num_blocks:
+            raise ValueError(f"the prompt plus max_new_tokens ({total} tokens) needs {self.scheduler.blocks_for(total)} "
+                             f"blocks but the whole KV cache holds {self.cache.num_blocks}; raise max_memory or "
                              "lower max_new_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: init_continuous_batching(tokenizer=...)")

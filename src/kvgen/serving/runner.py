@@ -18,6 +18,7 @@ import torch
 
 from kvgen.cache.paged import PagedAttentionCache
 from kvgen.generation.logits import temperature, top_k, top_p
+from kvgen.models.decode_blocks import eager_blocks
 from kvgen.serving.scheduler import SamplingParams, Sequence
 
 
@@ -33,27 +34,35 @@ class ModelRunner:
         """Feed ``n`` tokens of each ``(sequence, n)``; return ``(sequence, token, logprob, top_logprobs)`` for
         every sequence that gets a new token."""
         size, device = self.cache.block_size, self.device
-        ids, positions, slots, row_seq, keep, sampled = [], [], [], [], [], []
-        used_blocks = 1 + max(b for seq, _ in batch for b in seq.table)
-        key_positions = torch.full((len(batch), used_blocks * size), -1, dtype=torch.long)  # (sequences, used slots)
+        ids, positions, row_seq, keep, sampled = [], [], [], [], []
         for i, (seq, n) in enumerate(batch):
             start, end = seq.num_computed, seq.num_computed + n
-            table = torch.tensor(seq.table, dtype=torch.long)
-            seq_slots = (table[:, None] * size + torch.arange(size)).flatten()[:end]  # slot of each position
-            key_positions[i, seq_slots] = torch.arange(end)
             ids += seq.tokens[start:end]
             positions.append(torch.arange(start, end))
-            slots.append(seq_slots[start:end])
             row_seq += [i] * n
             if end == len(seq.tokens):
                 keep.append(len(ids) - 1)
                 sampled.append(seq)
+        row_seq_t = torch.tensor(row_seq)
+        steps = {}
+        for kind in self.cache.kinds:
+            used = size * (1 + max(b for seq, _ in batch for b in seq.tables[kind]))
+            key_positions = torch.full((len(batch), used), -1, dtype=torch.long)  # (sequences, used slots)
+            slots = []
+            for i, (seq, n) in enumerate(batch):
+                end = seq.num_computed + n
+                table = torch.tensor(seq.tables[kind], dtype=torch.long)
+                seq_slots = (table[:, None] * size + torch.arange(size)).flatten()[:end]  # slot of each position
+                live = table.repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window are gone
+                key_positions[i, seq_slots[live]] = torch.arange(end)[live]
+                slots.append(seq_slots[seq.num_computed:end])
+            steps[kind] = (torch.cat(slots).to(device), key_positions[row_seq_t].to(device))  # (T,), (T, used)
+        self.cache.begin_step(steps)
         positions_t = torch.cat(positions).to(device)
-        row_seq_t = torch.tensor(row_seq, device=device)
-        self.cache.begin_step(torch.cat(slots).to(device), key_positions.to(device)[row_seq_t])
-        logits = self.model(torch.tensor([ids], device=device), position_ids=positions_t[None],
-                            cache_position=positions_t, past_key_values=self.cache, use_cache=True,
-                            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device)).logits[0]  # (kept, V)
+        with eager_blocks():  # compiled blocks would compile a graph per batch size: seconds each
+            logits = self.model(torch.tensor([ids], device=device), position_ids=positions_t[None],
+                                cache_position=positions_t, past_key_values=self.cache, use_cache=True,
+                                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device)).logits[0]  # (kept, V)
         return [(seq, *choose(seq, logits[j].float())) for j, seq in enumerate(sampled)]
 
 

@@ -3,13 +3,15 @@
 First come, first served under two limits: ``max_num_seqs`` running sequences and
 ``max_batch_tokens`` tokens per pass. Running sequences come first (one token each when
 decoding, the next chunk of the prompt when still prefilling), then waiting requests in
-arrival order, their prompts cut into chunks that fit the budget left. When the pool has no
+arrival order, their prompts cut into chunks that fit the budget left. Each kind of attention
+layer (full, sliding window) has its own pool and block table per sequence; a block that every
+future query of a sliding layer sees past its window goes back to that pool at once. When a pool has no
 block for a running sequence's next token, the latest arrival is preempted: its blocks go
 back to the pool (full ones stay in the prefix cache) and it waits at the front of the queue,
 to be recomputed from its tokens so far; no request is ever dropped.
 
 Example:
-    >>> scheduler = Scheduler(BlockPool(64, 16), max_num_seqs=8, max_batch_tokens=256)  # doctest: +SKIP
+    >>> scheduler = Scheduler({"full_attention": (BlockPool(64, 16), None)}, 8, 256)   # doctest: +SKIP
     >>> scheduler.add(Sequence("a", [1, 2, 3], SamplingParams(max_new_tokens=4)))         # doctest: +SKIP
     >>> scheduler.schedule()                                                              # doctest: +SKIP
     [(Sequence('a'), 3)]
@@ -65,9 +67,9 @@ class Sequence:
     params: SamplingParams
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     status: RequestStatus = RequestStatus.PENDING
-    table: list[int] = field(default_factory=list)  # block ids
-    num_computed: int = 0  # leading tokens whose keys/values are in the pool
-    num_keyed: int = 0  # leading blocks of ``table`` registered in the prefix cache
+    tables: dict[str, list[int]] = field(default_factory=dict)  # per layer kind: block ids, -1 once out of window
+    num_computed: int = 0  # leading tokens whose keys/values are in the pools
+    num_keyed: int = 0  # leading blocks of the tables registered in the prefix cache
     keys: list[bytes] = field(default_factory=list)  # prefix keys of the full blocks of ``tokens``
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -90,16 +92,32 @@ class Sequence:
 
 
 class Scheduler:
-    """Waiting and running queues over one :class:`BlockPool`."""
+    """Waiting and running queues over one :class:`BlockPool` per layer kind.
 
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int, prefix_caching: bool = True):
+    ``pools``: ``{kind: (pool, window)}``, ``window`` the sliding window of that kind's layers
+    (``None``: they see every position). All pools have the same block size.
+    """
+
+    def __init__(self, pools: dict[str, tuple[BlockPool, int | None]], max_num_seqs: int, max_batch_tokens: int,
+                 prefix_caching: bool = True):
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_num_seqs and max_batch_tokens must be >= 1, got {max_num_seqs}, {max_batch_tokens}")
-        self.pool, self.max_num_seqs, self.max_batch_tokens = pool, max_num_seqs, max_batch_tokens
+        self.pools = pools
+        self.block_size = next(iter(pools.values()))[0].block_size
+        self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
         self.prefix_caching = prefix_caching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
+        self.hit_tokens = self.query_tokens = 0  # prefix cache: prompt tokens served / asked
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of prompt tokens served from cached blocks so far."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
@@ -127,7 +145,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if not seq.table:
+            if not seq.tables:
                 self._match_prefix(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if not self._reserve(seq, seq.num_computed + n):
@@ -139,42 +157,68 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _first_needed(self, window: int | None, position: int) -> int:
+        """First block a layer with ``window`` still reads when the next query is at ``position``."""
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
     def _match_prefix(self, seq: Sequence) -> None:
-        """Start ``seq`` from the longest cached chain of its full blocks (at least one token left to compute)."""
+        """Start ``seq`` from the longest cached prefix (at least one token left to compute): full layers need
+        its every block, sliding layers the blocks of its last window."""
+        seq.tables = {kind: [] for kind in self.pools}
         if not self.prefix_caching:
             return
-        full = (len(seq.tokens) - 1) // self.pool.block_size
+        full = (len(seq.tokens) - 1) // self.block_size
         if len(seq.keys) < full:
             previous = seq.keys[-1] if seq.keys else None
-            start = len(seq.keys) * self.pool.block_size
-            seq.keys += self.pool.keys_of(seq.tokens[start: full * self.pool.block_size], previous)
-        seq.table = self.pool.match_prefix(seq.keys[:full])
-        seq.num_computed, seq.num_keyed = len(seq.table) * self.pool.block_size, len(seq.table)
+            start = len(seq.keys) * self.block_size
+            seq.keys += next(iter(self.pools.values()))[0].keys_of(seq.tokens[start: full * self.block_size], previous)
+        found = {kind: pool.lookup(seq.keys[:full]) for kind, (pool, _) in self.pools.items()}
+        hit = full
+        while hit > 0 and not all(None not in found[kind][self._first_needed(window, hit * self.block_size): hit]
+                                  for kind, (_, window) in self.pools.items()):
+            hit -= 1
+        for kind, (pool, window) in self.pools.items():
+            first = self._first_needed(window, hit * self.block_size)
+            held = found[kind][first:hit]
+            pool.share(held)
+            seq.tables[kind] = [-1] * first + held
+        seq.num_computed, seq.num_keyed = hit * self.block_size, hit
         if seq.preemptions == 0:
             seq.cached_prompt_tokens = seq.num_computed
-            self.pool.count_query(len(seq.prompt), seq.num_computed)
+            self.query_tokens += len(seq.prompt)
+            self.hit_tokens += seq.num_computed
 
     def _reserve(self, seq: Sequence, tokens: int) -> bool:
-        """Give ``seq`` blocks for its first ``tokens`` tokens; False (nothing taken) when the pool is short."""
-        missing = self.pool.blocks_for(tokens) - len(seq.table)
-        if missing <= 0:
-            return True
-        if missing > self.pool.num_free:
+        """Give ``seq`` blocks for its first ``tokens`` tokens in every pool; False (nothing taken) when one is short."""
+        if not seq.tables:
+            seq.tables = {kind: [] for kind in self.pools}
+        missing = {kind: self.blocks_for(tokens) - len(seq.tables[kind]) for kind in self.pools}
+        if any(n > self.pools[kind][0].num_free for kind, n in missing.items()):
             return False
-        seq.table += self.pool.allocate(missing)
+        for kind, n in missing.items():
+            if n > 0:
+                seq.tables[kind] += self.pools[kind][0].allocate(n)
         return True
 
     def computed(self, seq: Sequence, n: int) -> None:
-        """``n`` more tokens of ``seq`` are in the pool: key its blocks that are full now."""
+        """``n`` more tokens of ``seq`` are in the pools: key its blocks that are full now, and give back the
+        blocks that slid out of every future query's window."""
         seq.num_computed += n
-        if not self.prefix_caching:
-            return
-        size = self.pool.block_size
-        for j in range(seq.num_keyed, seq.num_computed // size):
-            if j == len(seq.keys):
-                seq.keys.append(block_hash(seq.keys[-1] if seq.keys else None, seq.tokens[j * size:(j + 1) * size]))
-            self.pool.register(seq.table[j], seq.keys[j])
-            seq.num_keyed = j + 1
+        size = self.block_size
+        if self.prefix_caching:
+            for j in range(seq.num_keyed, seq.num_computed // size):
+                if j == len(seq.keys):
+                    seq.keys.append(block_hash(seq.keys[-1] if seq.keys else None, seq.tokens[j * size:(j + 1) * size]))
+                for kind, (pool, _) in self.pools.items():
+                    if seq.tables[kind][j] >= 0:
+                        pool.register(seq.tables[kind][j], seq.keys[j])
+                seq.num_keyed = j + 1
+        for kind, (pool, window) in self.pools.items():
+            table = seq.tables[kind]
+            for j in range(self._first_needed(window, seq.num_computed)):
+                if table[j] >= 0:
+                    pool.free([table[j]])
+                    table[j] = -1
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it first, to be recomputed from its tokens so far."""
@@ -195,5 +239,6 @@ class Scheduler:
         seq.status = status
 
     def _release(self, seq: Sequence) -> None:
-        self.pool.free(seq.table)
-        seq.table, seq.num_computed, seq.num_keyed = [], 0, 0
+        for kind, table in seq.tables.items():
+            self.pools[kind][0].free([b for b in table if b >= 0])
+        seq.tables, seq.num_computed, seq.num_keyed = {}, 0, 0

