@@ -1,8 +1,11 @@
-"""The C++ decode-time ops (``kvgen.models.native``) against torch's: RMSNorm and attention.
+"""The C++ ops (``kvgen.models.native``) against torch's: RMSNorm and attention.
 
 They must equal torch up to float32 rounding for every shape a decode step produces: GQA,
 1-8 query rows, boolean masks per batch row or shared, keys and values as strided views of
-a larger cache buffer, soft-capped scores (Gemma 2), head sizes 64 and 256.
+a larger cache buffer, soft-capped scores (Gemma 2), head sizes 64 and 256. Attention skips
+the 16-key tiles a mask excludes, so it is also checked on what that is for: ragged batches
+over a paged block pool (prefill chunks and decode rows of many sequences, sliding windows),
+prefill masks, one and two threads (split work merged), rows that allow no key (zeros).
 """
 
 from __future__ import annotations
@@ -54,3 +57,135 @@ def test_attention_leaves_other_cases_to_torch():
         assert native.attention(torch.randn(1, 2, 9, 64), k, k, None, False, 0.1) is None  # 9 rows: a prefill
         assert native.attention(torch.randn(1, 2, 1, 24), k[..., :24], k[..., :24], None, False, 0.1) is None
     assert native.attention(q, k, k, None, False, 0.1) is None  # autograd on: torch's differentiable op
+
+
+# -- ragged batches over a paged pool, prefills: the tile-skipping path of kvgen::attention ---------
+
+def ragged_mask(seqs, blocks: int, generator, window=None, block: int = 16) -> torch.Tensor:
+    """(1, 1, T, blocks * block) bool, as a paged cache's mask: each sequence (cached, new) owns random
+    scattered blocks of the pool; the query rows are the new tokens of each sequence in turn, each
+    allowing its own sequence's slots at positions <= its own (and within ``window``)."""
+    order = torch.randperm(blocks, generator=generator)
+    mask = torch.zeros(sum(new for _, new in seqs), blocks * block, dtype=torch.bool)
+    row = used = 0
+    for cached, new in seqs:
+        length = cached + new
+        owned = order[used: used + -(-length // block)]
+        used += len(owned)
+        pos = torch.arange(length)
+        slots = owned[pos // block] * block + pos % block
+        q_pos = torch.arange(cached, length)[:, None]
+        allowed = pos <= q_pos
+        if window is not None:
+            allowed &= q_pos - pos < window
+        mask[row: row + new, slots] = allowed
+        row += new
+    assert used <= blocks
+    return mask[None, None]
+
+
+def reference(q, k, v, mask, scale, softcap):
+    """float64 attention: the kernel (float32) must match it to float32 accuracy"""
+    q, k, v = q.double(), k.double(), v.double()
+    if softcap:
+        return softcapped_attention(q, k, v, mask, False, scale, softcap)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def pool_views(hkv, s, d, generator):
+    """keys and values (1, Hkv, S, D) as strided views of a paged pool stored (slots, heads, D), offset"""
+    pool = torch.randn(2, 1, s + 7, hkv, d, generator=generator)
+    return pool[0, :, 3:s + 3].transpose(1, 2), pool[1, :, 3:s + 3].transpose(1, 2)
+
+
+# prefill chunks from position 0 (their first row sees only itself), chunks after cached tokens,
+# decode rows (one of a fresh sequence: only itself), tile-straddling lengths
+SEQS = [(0, 21), (37, 1), (0, 1), (130, 1), (5, 12), (16, 16), (250, 1), (0, 3), (63, 2), (15, 1)]
+
+
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 1, 256), (4, 1, 64)])
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_ragged_paged_batch(h, hkv, d, softcap, window, threads):
+    """Float32 output vs a float64 reference, both ways in: the op itself and native.attention's
+    dispatch. Tolerance 1e-5: each output is a convex combination of values ~N(0, 1), computed
+    with float32 dot products of <= 256 terms and sums of <= 300 weights, so float32 rounding
+    leaves errors near 1e-6; a skipped or wrongly masked tile changes outputs by ~1e-1."""
+    g = torch.Generator().manual_seed(2)
+    mask = ragged_mask(SEQS, blocks=48, generator=g, window=window)
+    t, s = mask.shape[2], mask.shape[3]
+    q = torch.randn(1, t, h, d, generator=g).transpose(1, 2)  # (1, H, T, D) as the projection leaves it
+    k, v = pool_views(hkv, s, d, g)
+    scale = d ** -0.5
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)  # 2: the split items' partial states are merged
+    try:
+        with torch.no_grad():
+            expected = reference(q, k, v, mask, scale, softcap).float()
+            torch.testing.assert_close(torch.ops.kvgen.attention(q, k, v, mask, scale, softcap or 0.0), expected,
+                                       rtol=1e-5, atol=1e-5)
+            got = native.attention(q, k, v, mask, False, scale, softcap)
+            assert got is not None  # T > MAX_ROWS, but sparse: the native op
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            for i in range(0, t, 4):  # some rows alone (one decode row: its items split across threads)
+                rows = slice(i, i + 1)
+                torch.testing.assert_close(torch.ops.kvgen.attention(q[:, :, rows], k, v, mask[:, :, rows], scale,
+                                                                     softcap or 0.0), expected[:, :, rows],
+                                           rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("t,s,window,offset", [(70, 128, None, 0), (100, 100, 33, 0), (40, 300, None, 200)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_prefill_masks(t, s, window, offset, threads):
+    """causal prefills (into a static cache with empty slots; with a sliding window; a chunk after
+    cached tokens) through the op, with keys and values past S % 16 (a tile cut short)"""
+    g = torch.Generator().manual_seed(3)
+    pos, key = torch.arange(offset, offset + t)[:, None], torch.arange(s)[None, :]
+    mask = (key <= pos) & ((pos - key < window) if window else True)
+    mask = mask[None, None]
+    q = torch.randn(1, 9, t, 64, generator=g)
+    k, v = pool_views(3, s, 64, g)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            for softcap in [None, 50.0]:
+                torch.testing.assert_close(torch.ops.kvgen.attention(q, k, v, mask, 0.125, softcap or 0.0),
+                                           reference(q, k, v, mask, 0.125, softcap).float(), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_attention_row_without_keys_is_zero():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 4, 20, 64, generator=g)
+    k, v = torch.randn(1, 1, 50, 64, generator=g), torch.randn(1, 1, 50, 64, generator=g)
+    mask = torch.rand(1, 1, 20, 50, generator=g) > 0.5
+    mask[..., 3, :] = False  # an unused row of a batch (padding): no key at all
+    mask[..., 4, :] = True
+    with torch.no_grad():
+        out = torch.ops.kvgen.attention(q, k, v, mask, 0.125, 0.0)
+        assert not out.isnan().any() and (out[:, :, 3] == 0).all()
+        keep = torch.arange(20) != 3
+        torch.testing.assert_close(out[:, :, keep], reference(q, k, v, mask, 0.125, None).float()[:, :, keep],
+                                   rtol=1e-5, atol=1e-5)
+        one = torch.ops.kvgen.attention(q[:, :, 3:4], k, v, mask[:, :, 3:4], 0.125, 0.0)  # the decode-sized path
+        assert (one == 0).all()
+
+
+def test_attention_dispatch_by_density():
+    """more than MAX_ROWS rows: the op for sparse masks (B = 1), SDPA (None) for dense ones and B > 1"""
+    q, k = torch.randn(1, 2, 64, 64), torch.randn(1, 2, 256, 64)
+    pos, key = torch.arange(64)[:, None], torch.arange(256)[None, :]
+    static = (key <= pos)[None, None]  # a prefill into a static cache: 1/8 allowed
+    chunk = (key <= pos + 192)[None, None]  # a chunk after 192 cached tokens: 7/8 allowed
+    with torch.no_grad():
+        assert native.attention(q, k, k, static, False, 0.1) is not None
+        assert native.attention(q, k, k, chunk, False, 0.1) is None
+        assert native.attention(q, k, k, None, False, 0.1) is None
+        assert native.attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1),
+                                static, False, 0.1) is None
+        assert native.allowed_fraction(static) == pytest.approx(0.129, abs=0.01)

@@ -18,9 +18,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -34,7 +36,15 @@ typedef uint16_t vh __attribute__((vector_size(32)));
 
 // an empty asm the value must pass through: the compiler cannot fuse a product into a later sum
 inline vf round(vf x) {
+#if defined(__AVX512F__)
   asm("" : "+v"(x));
+#else  // 16 lanes span two registers (AVX2) or more: pass each 32-byte half (no "v" register holds 64 bytes)
+  typedef float half __attribute__((vector_size(32)));
+  half h[2];
+  std::memcpy(h, &x, 64);
+  asm("" : "+x"(h[0]), "+x"(h[1]));
+  std::memcpy(&x, h, 64);
+#endif
   return x;
 }
 inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
@@ -437,33 +447,39 @@ void dequantize_(at::Tensor out, const at::Tensor& w, int64_t format) {
 
 // -- small decode-time ops --------------------------------------------------------------------------
 
-inline float hsum(vf v) {  // a tree of halves
-  const vi hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vi hi4 = {4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7};
-  const vi hi2 = {2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3};
-  v += __builtin_shuffle(v, hi8);
-  v += __builtin_shuffle(v, hi4);
-  v += __builtin_shuffle(v, hi2);
-  return v[0] + v[1];
-}
-
-// exp of 16 lanes: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6 (Cephes' expf,
-// within 2 ulp); lanes below -87 (masked scores: -inf) give exactly 0
-inline vf vexp(vf x) {
-  const vi zero_mask = x > -87.0f;
-  x = x < -87.0f ? splat(-87.0f) : x;
-  x = x > 88.0f ? splat(88.0f) : x;
-  const vf n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + 0.5f * ((x > 0.0f) ? splat(1.0f) : splat(-1.0f)), vi), vf);
-  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
+// exp of 8 or 16 lanes: 2^n * p(r), r = x - n ln 2 in [-ln2/2, ln2/2], p of degree 6 (Cephes'
+// expf, within 2 ulp); lanes below -87 (masked scores: -inf) give exactly 0
+template <class V>
+inline V vexp(V x) {
+  using I = decltype(x < x);  // the same lanes as int32
+  const I zero_mask = x > -87.0f;
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 88.0f ? V{} + 88.0f : x;
+  const V half = (x > 0.0f) ? V{} + 0.5f : V{} - 0.5f;  // round to nearest, halves away from 0
+  const V n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + half, I), V);
+  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const vi bits = (vi)p + (__builtin_convertvector(n, vi) << 23);
-  return (vf)(bits & zero_mask);
+  const I bits = (I)p + (__builtin_convertvector(n, I) << 23);
+  return (V)(bits & zero_mask);
+}
+
+// tanh of 8 or 16 lanes (Cephes' tanhf, within a few ulp): an odd polynomial below 0.625, else
+// 1 - 2 / (exp(2 |x|) + 1) with the sign of x
+template <class V>
+inline V vtanh(V x) {
+  const V a = x < 0.0f ? -x : x;
+  const V big = 1.0f - 2.0f / (vexp(a + a) + 1.0f);
+  const V z = x * x;
+  const V small =
+      ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z -
+       3.33332819422e-1f) * z * x + x;
+  return a < 0.625f ? small : (x < 0.0f ? -big : big);
 }
 
 // x (rows, D) float32 contiguous -> x / sqrt(mean(x^2) + eps) * weight, one pass per row
@@ -484,10 +500,313 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
-// Attention of a few query positions: q (B, H, T, D), k and v (B, Hkv, S, D) (any strides, the
-// last dim contiguous, D a multiple of 16), mask: bool (B or 1, 1, T, S), True where allowed, or
+// -- attention ------------------------------------------------------------------------------------
+//
+// kvgen::attention(q, k, v, mask?, scale, softcap): q (B, H, T, D), k and v (B, Hkv, S, D) (any
+// strides, the last dim contiguous, D a multiple of 16, H a multiple of Hkv: the G = H / Hkv query
+// heads of a group share one key head), mask: bool (B or 1, 1, T, S), True where allowed, or
 // undefined (all allowed). softcap > 0: scores become tanh(s / softcap) * softcap. Returns
-// (B, H, T, D) as a view of (B, T, H, D) storage, so the caller's transpose + flatten is free.
+// (B, H, T, D) as a view of (B, T, H, D) storage, so the caller's transpose + flatten is free. A
+// query row that allows no key gets zeros (SDPA gives NaN there); callers never use such rows.
+//
+// One scheme for every shape: flash attention over the 16-key tiles that the mask allows, work in
+// proportion to those tiles, so a ragged batch over a paged block pool (S = every slot of the
+// layer, each row allowing its own sequence's scattered blocks) costs what its sequences hold, not
+// T * S, and a causal or sliding-window prefill skips the excluded tiles:
+//  1. scan: each mask row becomes two bit sets over tiles, "some key allowed" and "every key
+//     allowed" (AVX2: 64 bytes a step, all-zero runs skipped with one test), rows in parallel.
+//     Without a mask every tile is allowed;
+//  2. row blocks: consecutive query positions of one mask row-set join a block (at most P
+//     positions, P * G <= 64 query rows) while their tile sets nearly agree (symmetric difference
+//     at most max(1, shared / 8) tiles). Rows of different sequences own different pool blocks, so
+//     each starts a new row block and no decode row pays for another sequence's tiles, while a
+//     causal or sliding-window prefill keeps full blocks. A block attends to its rows' union;
+//  3. work items: (batch row, row block, key head): the block's positions times the G query heads
+//     of the key head, each tile's keys and values read once for all of them. An item costlier
+//     than 1 / (4 * threads) of the total is split into chunks of its tile list (>= 8 tiles), their
+//     partial softmax states merged after: flash-decoding, so one long decode row still uses every
+//     thread. Items are handed out costliest first, dynamically (ragged batches are uneven);
+//  4. per tile (the next one prefetched): scores; the soft-cap; -inf where the mask excludes a key
+//     (only in tiles not fully allowed: masked keys are exactly excluded); the online softmax with
+//     one vector lane per query row; acc[row] = acc[row] * alpha + sum_s p[s, row] * V[s] (rows
+//     by 6, 16 value columns at a time, in registers). Scores of many rows: K_tile Q^T with the
+//     rows in vector lanes (Q transposed and scaled once per item; 3 x 4 register tiles); of a few
+//     rows (decode: 2 R <= lanes): dot products along D, 4 keys at a time, lanes summed at the end.
+
+constexpr int64_t TILE = 16;
+
+// the native vector: query rows in its lanes (LN of them), value columns in 16-float chunks
+#if defined(__AVX512F__)
+typedef float vn __attribute__((vector_size(64)));
+#else
+typedef float vn __attribute__((vector_size(32)));
+#endif
+constexpr int64_t LN = sizeof(vn) / sizeof(float), DC = 16 / LN;
+
+template <class V> inline V vload(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+template <class V> inline void vstore(float* p, V v) { std::memcpy(p, &v, sizeof(V)); }
+template <class V> inline V vmax(V a, V b) { return a > b ? a : b; }
+
+inline bool has_zero_byte(uint64_t x) { return ((x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull) != 0; }
+
+// one mask row of S bools -> bit j of any: tile j (keys 16 j .. 16 j + 15) has an allowed key;
+// of full: all 16 keys are allowed (a tile cut short by S never is). Both start zeroed.
+void scan_mask_row(const uint8_t* m, int64_t S, uint64_t* any, uint64_t* full) {
+  const int64_t whole = S / TILE, tiles = (S + TILE - 1) / TILE;
+  int64_t j = 0;
+#if defined(__AVX2__)
+  const __m256i zero = _mm256_setzero_si256();
+  for (; j + 4 <= whole; j += 4) {  // 4 tiles a step; j % 4 == 0, so their bits share a word
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + TILE * j));
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + TILE * j + 32));
+    const __m256i o = _mm256_or_si256(x, y);
+    if (_mm256_testz_si256(o, o)) continue;  // nothing allowed: the common case of a sparse mask
+    const uint64_t z = (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(x, zero)) |
+                       (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(y, zero)) << 32;  // bit: a zero byte
+    uint64_t a = 0, f = 0;
+    for (int t = 0; t < 4; ++t) {
+      const uint64_t h = (z >> (16 * t)) & 0xFFFF;
+      a |= (uint64_t)(h != 0xFFFF) << t;
+      f |= (uint64_t)(h == 0) << t;
+    }
+    any[j >> 6] |= a << (j & 63);
+    full[j >> 6] |= f << (j & 63);
+  }
+#endif
+  for (; j < tiles; ++j) {
+    bool a = false, f = false;
+    if (j < whole) {
+      uint64_t x, y;
+      std::memcpy(&x, m + TILE * j, 8);
+      std::memcpy(&y, m + TILE * j + 8, 8);
+      a = (x | y) != 0;
+      f = !has_zero_byte(x) && !has_zero_byte(y);
+    } else {
+      for (int64_t s = TILE * j; s < S; ++s) a |= m[s] != 0;
+    }
+    if (a) any[j >> 6] |= 1ull << (j & 63);
+    if (f) full[j >> 6] |= 1ull << (j & 63);
+  }
+}
+
+// consecutive query positions t0 .. t0 + n - 1 of mask row-set mrow, and the tiles any of them
+// allows: 2 * tile + (1 where every key of the tile is allowed for every one of them)
+struct RowBlock {
+  int64_t mrow, t0, n;
+  std::vector<int32_t> tiles;
+};
+
+struct AttentionArgs {
+  const float *q, *k, *v;
+  int64_t q0, q1, q2, k0, k1, k2, v0, v1, v2;  // strides of batch, head, position
+  const uint8_t* mask;                         // (MB, T, S) or null: all allowed
+  int64_t T, S, H, G, D;
+  float scale, cap;
+  float* out;  // (B, T, H, D)
+};
+
+// one thread's buffers for row blocks of at most `rows` (padded) query rows; left uninitialised
+struct Scratch {
+  std::unique_ptr<float[]> buffer;
+  float *qt, *sc, *m, *l, *alpha, *acc, *ktail, *vtail;
+  Scratch(int64_t rows, int64_t D) : buffer(new float[rows * (2 * D + TILE + 3) + 2 * TILE * D]) {
+    qt = buffer.get(), sc = qt + rows * D, m = sc + TILE * rows, l = m + rows, alpha = l + rows, acc = alpha + rows;
+    ktail = acc + rows * D, vtail = ktail + TILE * D;
+  }
+};
+
+// sc[s, r] = sum_d k[s, d] * qt[d, r] for the 16 keys of a tile (key s at k + s * ks) and JR * LN
+// query rows r in vector lanes; KS keys at a time (JR * KS accumulators in registers)
+template <int JR, int KS>
+__attribute__((noinline)) void tile_scores(const float* qt, int64_t Rp, const float* k, int64_t ks, int64_t D,
+                                           float* sc) {
+  for (int64_t s0 = 0; s0 < TILE; s0 += KS) {
+    vn acc[JR][KS] = {};
+    const float* kk = k + s0 * ks;
+    for (int64_t d = 0; d < D; ++d) {
+      vn x[JR];
+      for (int j = 0; j < JR; ++j) x[j] = vload<vn>(qt + d * Rp + j * LN);
+      for (int i = 0; i < KS; ++i) {
+        const float kv = kk[i * ks + d];
+        for (int j = 0; j < JR; ++j) acc[j][i] += x[j] * kv;
+      }
+    }
+    for (int i = 0; i < KS; ++i)
+      for (int j = 0; j < JR; ++j) vstore(sc + (s0 + i) * Rp + j * LN, acc[j][i]);
+  }
+}
+
+// the sums of 4 vectors' lanes
+inline void sum4(const vn* x, float* out) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  __m256 v[4];
+  std::memcpy(v, x, sizeof(v));
+  const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)));
+#else
+  for (int i = 0; i < 4; ++i) {
+    float t = 0.0f;
+    for (int64_t j = 0; j < LN; ++j) t += x[i][j];
+    out[i] = t;
+  }
+#endif
+}
+
+// for a few query rows: sc[s, r] = sum_d q[r, d] * k[s, d] for RR rows (q row-major, R x D) and
+// the 16 keys of a tile, as dot products along D, 4 keys at a time
+template <int RR>
+__attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const float* k, int64_t ks, int64_t Rp,
+                                               float* sc) {
+  for (int64_t s0 = 0; s0 < TILE; s0 += 4) {
+    vn acc[RR][4] = {};
+    const float* kk = k + s0 * ks;
+    for (int64_t d = 0; d < D; d += LN) {
+      vn x[4];
+      for (int i = 0; i < 4; ++i) x[i] = vload<vn>(kk + i * ks + d);
+      for (int j = 0; j < RR; ++j) {
+        const vn y = vload<vn>(q + j * D + d);
+        for (int i = 0; i < 4; ++i) acc[j][i] += x[i] * y;
+      }
+    }
+    for (int j = 0; j < RR; ++j) {
+      float t[4];
+      sum4(acc[j], t);
+      for (int i = 0; i < 4; ++i) sc[(s0 + i) * Rp + j] = t[i];
+    }
+  }
+}
+
+// acc[i] = acc[i] * alpha[i] + sum_s p[s, i] * v[s] for RR consecutive query rows (acc rows of D
+// floats, value s at v + s * vs), 16 columns at a time
+template <int RR>
+__attribute__((noinline)) void tile_values(float* acc, int64_t D, const float* p, int64_t Rp, const float* alpha,
+                                           const float* v, int64_t vs) {
+  for (int64_t d = 0; d < D; d += 16) {
+    vn x[RR][DC];
+    for (int i = 0; i < RR; ++i)
+      for (int c = 0; c < DC; ++c) x[i][c] = vload<vn>(acc + i * D + d + c * LN) * alpha[i];
+    for (int64_t s = 0; s < TILE; ++s) {
+      vn y[DC];
+      for (int c = 0; c < DC; ++c) y[c] = vload<vn>(v + s * vs + d + c * LN);
+      for (int i = 0; i < RR; ++i) {
+        const float w = p[s * Rp + i];
+        for (int c = 0; c < DC; ++c) x[i][c] += y[c] * w;
+      }
+    }
+    for (int i = 0; i < RR; ++i)
+      for (int c = 0; c < DC; ++c) vstore(acc + i * D + d + c * LN, x[i][c]);
+  }
+}
+
+// the query rows of a row block: R = n * G, padded to Rp lanes
+inline int64_t padded_rows(int64_t R) { return (R + LN - 1) / LN * LN; }
+
+// tiles c0 .. c1 - 1 of a row block for key head g of batch row b. Query row r = p * G + h:
+// position t0 + p, head g * G + h. part null: write the normalised output; else leave the
+// running max (part[0, R)), sum (part[Rp, Rp + R)) and unnormalised values (part + 2 Rp, R x D).
+void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& blk, int64_t c0, int64_t c1,
+                  Scratch& w, float* part) {
+  const int64_t G = a.G, D = a.D, S = a.S, n = blk.n, R = n * G, Rp = padded_rows(R);
+  float *qt = w.qt, *sc = w.sc, *m = w.m, *l = w.l, *alpha = w.alpha, *acc = w.acc;
+  const bool dots = 2 * R <= LN;  // few rows: dot products along D, else the rows in vector lanes
+  for (int64_t p = 0; p < n; ++p)
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qr = a.q + b * a.q0 + (g * G + h) * a.q1 + (blk.t0 + p) * a.q2;
+      const int64_t r = p * G + h;
+      for (int64_t d = 0; d < D; ++d) (dots ? qt[r * D + d] : qt[d * Rp + r]) = qr[d] * a.scale;
+    }
+  if (dots) std::fill(sc, sc + TILE * Rp, 0.0f);  // padding lanes
+  else for (int64_t d = 0; d < D; ++d) std::fill(qt + d * Rp + R, qt + (d + 1) * Rp, 0.0f);
+  std::fill(m, m + Rp, -INFINITY);
+  std::fill(l, l + Rp, 0.0f);
+  std::fill(acc, acc + R * D, 0.0f);
+  const float* kb = a.k + b * a.k0 + g * a.k1;
+  const float* vb_ = a.v + b * a.v0 + g * a.v1;
+  const uint8_t* mrows = a.mask ? a.mask + (blk.mrow * a.T + blk.t0) * S : nullptr;
+  auto prefetch = [&](int64_t c) {  // a tile's keys and values, while the one before is computed
+    const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
+    for (int64_t s = s0; s < std::min(s0 + TILE, S); ++s)
+      for (int64_t d = 0; d < D; d += 16) {
+        __builtin_prefetch(kb + s * a.k2 + d);
+        __builtin_prefetch(vb_ + s * a.v2 + d);
+      }
+  };
+  if (c0 < c1) prefetch(c0);
+  for (int64_t c = c0; c < c1; ++c) {
+    if (c + 1 < c1) prefetch(c + 1);
+    const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
+    const float *kt = kb + s0 * a.k2, *vt = vb_ + s0 * a.v2;
+    int64_t ks = a.k2, vs = a.v2;
+    if (s0 + TILE > S) {  // the last tile, cut short: its keys and values padded with zeros
+      std::fill(w.ktail, w.ktail + TILE * D, 0.0f);
+      std::fill(w.vtail, w.vtail + TILE * D, 0.0f);
+      for (int64_t s = 0; s < S - s0; ++s) {
+        std::copy(kt + s * ks, kt + s * ks + D, w.ktail + s * D);
+        std::copy(vt + s * vs, vt + s * vs + D, w.vtail + s * D);
+      }
+      kt = w.ktail, vt = w.vtail, ks = vs = D;
+    }
+    int64_t r = 0;
+    if (dots) {
+      for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, Rp, sc + r);
+      if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, Rp, sc + r);
+    } else {
+      for (; r + 3 * LN <= Rp; r += 3 * LN) tile_scores<3, 4>(qt + r, Rp, kt, ks, D, sc + r);
+      if (r + 2 * LN <= Rp) tile_scores<2, 4>(qt + r, Rp, kt, ks, D, sc + r);
+      else if (r < Rp) tile_scores<1, 8>(qt + r, Rp, kt, ks, D, sc + r);
+    }
+    if (a.cap > 0.0f)
+      for (int64_t i = 0; i < TILE * Rp; i += LN) vstore(sc + i, vtanh(vload<vn>(sc + i) / a.cap) * a.cap);
+    if (!(blk.tiles[c] & 1))  // some key of the tile excluded for some row: -inf, exactly excluded
+      for (int64_t s = 0; s < TILE; ++s)
+        for (int64_t p = 0; p < n; ++p)
+          if (s0 + s >= S || (mrows && !mrows[p * S + s0 + s]))
+            for (int64_t h = 0; h < G; ++h) sc[s * Rp + p * G + h] = -INFINITY;
+    for (int64_t r = 0; r < Rp; r += LN) {  // online softmax, one lane per query row
+      vn mx = vload<vn>(sc + r);
+      for (int64_t s = 1; s < TILE; ++s) mx = vmax(mx, vload<vn>(sc + s * Rp + r));
+      const vn mo = vload<vn>(m + r), mn = vmax(mo, mx);
+      const vn base = mn == -INFINITY ? vn{} : mn;  // a row with nothing allowed yet: exp(-inf) = 0
+      const vn al = vexp(mo - base);
+      vn sum = {};
+      for (int64_t s = 0; s < TILE; ++s) {
+        const vn e = vexp(vload<vn>(sc + s * Rp + r) - base);
+        vstore(sc + s * Rp + r, e);
+        sum += e;
+      }
+      vstore(l + r, vload<vn>(l + r) * al + sum);
+      vstore(m + r, mn);
+      vstore(alpha + r, al);
+    }
+    for (r = 0; r + 6 <= R; r += 6) tile_values<6>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs);
+    switch (R - r) {
+      case 1: tile_values<1>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
+      case 2: tile_values<2>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
+      case 3: tile_values<3>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
+      case 4: tile_values<4>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
+      case 5: tile_values<5>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
+      default: break;
+    }
+  }
+  if (part) {
+    std::copy(m, m + R, part);
+    std::copy(l, l + R, part + Rp);
+    std::copy(acc, acc + R * D, part + 2 * Rp);
+    return;
+  }
+  for (int64_t p = 0; p < n; ++p)
+    for (int64_t h = 0; h < G; ++h) {
+      const int64_t r = p * G + h;
+      float* o = a.out + ((b * a.T + blk.t0 + p) * a.H + g * G + h) * D;
+      const float f = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;  // no allowed key: zeros
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * f;
+    }
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
                      double scale, double softcap) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
@@ -495,104 +814,150 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(D % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0,
               "kvgen: attention needs a head size that is a multiple of 16 and contiguous heads");
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
+              v.size(3) == D, "kvgen: attention's keys and values must be (B, Hkv, S, D)");
   const bool masked = mask.has_value() && mask->defined();
-  const bool* mp = nullptr;
-  int64_t mb = 0, mt = 0;
   at::Tensor m;
   if (masked) {
     m = mask->contiguous();
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(2) == T && m.size(3) == S,
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) &&
+                m.size(1) == 1 && m.size(2) == T && m.size(3) == S,
                 "kvgen: attention mask must be bool (B or 1, 1, T, S)");
-    mp = m.data_ptr<bool>();
-    mb = m.size(0) == 1 ? 0 : T * S;
-    mt = S;
   }
   at::Tensor out = at::empty({B, T, H, D}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t G = H / Hkv, nv = D / 16, rows = G * T;  // the query rows that share one key head
-  const float sc = (float)scale, cap = (float)softcap;
-  // Flash-decoding: tasks are (batch, key head, chunk of keys); each reads its keys and values once
-  // for all the query rows of its group and leaves a partial (max, sum, weighted values); the
-  // partials are merged after.
-  const int64_t CHUNK = 128, C = (S + CHUNK - 1) / CHUNK;
-  std::vector<float> part_max(B * Hkv * C * rows), part_sum(B * Hkv * C * rows), part_acc(B * Hkv * C * rows * D);
-  at::parallel_for(0, B * Hkv * C, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(rows * CHUNK);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (Hkv * C), g = (i / C) % Hkv, c = i % C;
-      const int64_t s0 = c * CHUNK, n = std::min(CHUNK, S - s0);
-      const float* kb = kp + b * k.stride(0) + g * k.stride(1) + s0 * k.stride(2);
-      const float* vb_ = vp + b * v.stride(0) + g * v.stride(1) + s0 * v.stride(2);
-      for (int64_t s = 0; s < n; ++s) {
-        const float* ks = kb + s * k.stride(2);
-        for (int64_t r = 0; r < rows; ++r) {  // row r: head g * G + r / T, position r % T
-          const float* qr = qp + b * q.stride(0) + (g * G + r / T) * q.stride(1) + (r % T) * q.stride(2);
-          vf d = loadf(qr) * loadf(ks);
-          for (int64_t j = 1; j < nv; ++j) d += loadf(qr + 16 * j) * loadf(ks + 16 * j);
-          float score = hsum(d) * sc;
-          if (cap > 0.0f) score = std::tanh(score / cap) * cap;
-          if (masked && !mp[b * mb + (r % T) * mt + s0 + s]) score = -INFINITY;
-          scores[r * CHUNK + s] = score;
+  if (B == 0 || T == 0 || H == 0) return out.transpose(1, 2);
+  if (S == 0) return out.zero_().transpose(1, 2);
+  const uint8_t* mp = masked ? reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()) : nullptr;
+  const int64_t MB = masked ? m.size(0) : 1, G = H / Hkv;
+  const int64_t NT = (S + TILE - 1) / TILE, W = (NT + 63) / 64;
+  const int64_t P = std::max<int64_t>(1, std::min<int64_t>(32, 64 / G));  // positions per row block
+  // 1. which tiles each mask row allows
+  std::vector<uint64_t> any(masked ? MB * T * W : 0), full(masked ? MB * T * W : 0);
+  if (masked)
+    at::parallel_for(0, MB * T, std::max<int64_t>(1, (1 << 20) / S), [&](int64_t i0, int64_t i1) {  // ~1 MB a task
+      for (int64_t i = i0; i < i1; ++i) scan_mask_row(mp + i * S, S, any.data() + i * W, full.data() + i * W);
+    });
+  // 2. row blocks
+  std::vector<RowBlock> blocks;
+  std::vector<int64_t> first(MB + 1);
+  std::vector<uint64_t> U(W), F(W);
+  for (int64_t mr = 0; mr < MB; ++mr) {
+    first[mr] = blocks.size();
+    for (int64_t t = 0; t < T;) {
+      int64_t n = 1;
+      RowBlock blk{mr, t, 0, {}};
+      if (masked) {
+        const uint64_t *a0 = any.data() + (mr * T + t) * W, *f0 = full.data() + (mr * T + t) * W;
+        std::copy(a0, a0 + W, U.begin());
+        std::copy(f0, f0 + W, F.begin());
+        for (; n < P && t + n < T; ++n) {
+          const uint64_t *ar = a0 + n * W, *fr = f0 + n * W;
+          int64_t shared = 0, differ = 0;
+          for (int64_t j = 0; j < W; ++j) {
+            shared += __builtin_popcountll(U[j] & ar[j]);
+            differ += __builtin_popcountll(U[j] ^ ar[j]);
+          }
+          if (differ > std::max<int64_t>(1, shared / 8)) break;
+          for (int64_t j = 0; j < W; ++j) {
+            U[j] |= ar[j];
+            F[j] &= fr[j];
+          }
+        }
+        for (int64_t j = 0; j < W; ++j)
+          for (uint64_t bits = U[j]; bits; bits &= bits - 1) {
+            const int64_t bit = __builtin_ctzll(bits);
+            blk.tiles.push_back((int32_t)(2 * (64 * j + bit) + ((F[j] >> bit) & 1)));
+          }
+      } else {
+        n = std::min(P, T - t);
+        for (int64_t j = 0; j < NT; ++j) blk.tiles.push_back((int32_t)(2 * j + (j < S / TILE)));
+      }
+      blk.n = n;
+      blocks.push_back(std::move(blk));
+      t += n;
+    }
+  }
+  first[MB] = blocks.size();
+  // 3. work items, split where one would hold more than its share
+  struct Item {
+    int64_t b, g, blk, c0, c1, split, part, cost;
+  };
+  struct Split {
+    int64_t b, g, blk, part0, parts;
+  };
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  const int64_t threads = at::get_num_threads();
+  auto rows_of = [&](const RowBlock& blk) { return padded_rows(blk.n * G); };
+  auto mrow_of = [&](int64_t b) { return MB == 1 ? 0 : b; };
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = first[mrow_of(b)]; i < first[mrow_of(b) + 1]; ++i)
+      total += Hkv * ((int64_t)blocks[i].tiles.size() + 1) * rows_of(blocks[i]);
+  const int64_t share = threads > 1 ? std::max<int64_t>(1, total / (4 * threads)) : INT64_MAX;
+  int64_t nparts = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = first[mrow_of(b)]; i < first[mrow_of(b) + 1]; ++i)
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const int64_t nt = blocks[i].tiles.size(), cost = (nt + 1) * rows_of(blocks[i]);
+        const int64_t pieces = std::max<int64_t>(1, std::min((cost + share - 1) / share, nt / 8));
+        const int64_t split = pieces > 1 ? (int64_t)splits.size() : -1;
+        if (pieces > 1) splits.push_back({b, g, i, nparts, pieces});
+        for (int64_t c = 0; c < pieces; ++c) {
+          const int64_t c0 = nt * c / pieces, c1 = nt * (c + 1) / pieces;
+          items.push_back({b, g, i, c0, c1, split, pieces > 1 ? nparts++ : -1, (c1 - c0 + 1) * rows_of(blocks[i])});
         }
       }
-      float* pm = part_max.data() + i * rows;
-      float* ps = part_sum.data() + i * rows;
-      float* pa = part_acc.data() + i * rows * D;
-      for (int64_t r = 0; r < rows; ++r) {
-        float* sr = scores.data() + r * CHUNK;
-        float best = -INFINITY;
-        for (int64_t s = 0; s < n; ++s) best = std::max(best, sr[s]);
-        for (int64_t s = n; s < CHUNK; ++s) sr[s] = -INFINITY;
-        vf total = {};
+  std::vector<int64_t> order(items.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return items[x].cost > items[y].cost; });
+  int64_t most = 1;  // positions in the largest row block
+  for (const RowBlock& blk : blocks) most = std::max(most, blk.n);
+  const int64_t RMAX = padded_rows(most * G), slot = RMAX * (D + 2);
+  std::vector<float> parts(nparts * slot);
+  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[splits.size()]);
+  for (size_t i = 0; i < splits.size(); ++i) pending[i].store(splits[i].parts, std::memory_order_relaxed);
+  const AttentionArgs args{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                           v.stride(0), v.stride(1), v.stride(2), mp, T, S, H, G, D, (float)scale, (float)softcap,
+                           out.data_ptr<float>()};
+  // a split item's partial states (max, sum, values per query row) merged into the output
+  auto merge = [&](const Split& sp, float* acc) {
+    const RowBlock& blk = blocks[sp.blk];
+    const int64_t Rp = padded_rows(blk.n * G);
+    for (int64_t p = 0; p < blk.n; ++p)
+      for (int64_t h = 0; h < G; ++h) {
+        const int64_t r = p * G + h;
+        float best = -INFINITY, sum = 0.0f;
+        for (int64_t c = 0; c < sp.parts; ++c) best = std::max(best, parts[(sp.part0 + c) * slot + r]);
+        std::fill(acc, acc + D, 0.0f);
         if (best > -INFINITY)
-          for (int64_t s = 0; s < CHUNK; s += 16) {
-            const vf e = vexp(loadf(sr + s) - best);
-            std::memcpy(sr + s, &e, 64);
-            total += e;
+          for (int64_t c = 0; c < sp.parts; ++c) {
+            const float* pa = parts.data() + (sp.part0 + c) * slot;
+            if (pa[r] == -INFINITY) continue;
+            const float f = std::exp(pa[r] - best);
+            sum += pa[Rp + r] * f;
+            for (int64_t d = 0; d < D; ++d) acc[d] += f * pa[2 * Rp + r * D + d];
           }
-        else
-          std::fill(sr, sr + CHUNK, 0.0f);  // every key of this chunk masked for this row
-        pm[r] = best;
-        ps[r] = hsum(total);
-        std::fill(pa + r * D, pa + (r + 1) * D, 0.0f);
+        float* o = args.out + ((sp.b * T + blk.t0 + p) * H + sp.g * G + h) * D;
+        const float f = sum > 0.0f ? 1.0f / sum : 0.0f;  // no allowed key: zeros
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * f;
       }
-      for (int64_t s = 0; s < n; ++s) {
-        const float* vs = vb_ + s * v.stride(2);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float w = scores[r * CHUNK + s];
-          if (w == 0.0f) continue;
-          float* a = pa + r * D;
-          for (int64_t j = 0; j < nv; ++j) {
-            const vf x = loadf(a + 16 * j) + splat(w) * loadf(vs + 16 * j);
-            std::memcpy(a + 16 * j, &x, 64);
-          }
-        }
-      }
+  };
+  // 4. attend, items handed out costliest first; the last part of a split item to finish merges
+  // them (one parallel region: each region can wait a time slice for a thread on a busy host)
+  std::atomic<int64_t> next{0};
+  const int64_t nitems = items.size();
+  at::parallel_for(0, std::min(threads, nitems), 1, [&](int64_t, int64_t) {
+    Scratch w(RMAX, D);
+    for (int64_t i = next++; i < nitems; i = next++) {
+      const Item& it = items[order[i]];
+      float* part = it.part >= 0 ? parts.data() + it.part * slot : nullptr;
+      attend_tiles(args, it.b, it.g, blocks[it.blk], it.c0, it.c1, w, part);
+      if (it.split >= 0 && pending[it.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge(splits[it.split], w.acc);
     }
   });
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < Hkv; ++g)
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t base = (b * Hkv + g) * C;
-        float best = -INFINITY;
-        for (int64_t c = 0; c < C; ++c) best = std::max(best, part_max[(base + c) * rows + r]);
-        float total = 0.0f;
-        std::vector<vf> acc(nv, vf{});
-        for (int64_t c = 0; c < C; ++c) {
-          const float m = part_max[(base + c) * rows + r];
-          if (m == -INFINITY) continue;
-          const float f = std::exp(m - best);
-          total += part_sum[(base + c) * rows + r] * f;
-          const float* a = part_acc.data() + ((base + c) * rows + r) * D;
-          for (int64_t j = 0; j < nv; ++j) acc[j] += splat(f) * loadf(a + 16 * j);
-        }
-        float* o = op + ((b * T + r % T) * H + g * G + r / T) * D;
-        for (int64_t j = 0; j < nv; ++j) {
-          const vf x = acc[j] * (1.0f / total);
-          std::memcpy(o + 16 * j, &x, 64);
-        }
-      }
   return out.transpose(1, 2);
 }
 
