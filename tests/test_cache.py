@@ -1,4 +1,5 @@
-"""Cache unit tests on synthetic tensors: every method of the dynamic, sliding and static caches."""
+"""Cache unit tests on synthetic tensors: every method of the dynamic, sliding and static caches,
+and batch row selection on every cache type."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import copy
 import pytest
 import torch
 
-from kvgen import DynamicCache, StaticCache
+import kvgen
+from kvgen import DynamicCache, EncoderDecoderCache, StaticCache
 from kvgen.cache import create_cache
 from kvgen.cache.dynamic import DynamicLayer, DynamicSlidingWindowLayer
+from kvgen.cache.ssm import SSMLayer
 from kvgen.config import PretrainedConfig
 from kvgen.masks import attention_mask
+from kvgen.rope import RotaryEmbedding
 
 CONFIG = PretrainedConfig(model_type="llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                           num_hidden_layers=3, vocab_size=50, intermediate_size=64)
@@ -219,6 +223,109 @@ def test_registry_unknown_name_lists_valid_ones():
 def test_nbytes_counts_allocations():
     cache = StaticCache(config=CONFIG, max_batch_size=B, max_cache_len=16, dtype=torch.float32)
     assert cache.nbytes() == 3 * 2 * B * H * 16 * D * 4
+
+
+# -- batch_select_indices on every cache type -----------------------------------------------------
+
+ROWS = 3  # batch of the filled caches below
+SLIDING = PretrainedConfig(model_type="llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                           num_hidden_layers=2, vocab_size=50, intermediate_size=64, sliding_window=4,
+                           max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"])
+MAMBA = kvgen.MambaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, state_size=4, conv_kernel=4,
+                          num_hidden_layers=2)
+JAMBA = kvgen.JambaConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4,
+                          mamba_d_conv=4, mamba_expand=2)
+QUANTIZED = dict(nbits=4, q_group_size=8, residual_length=8)  # 40 tokens: some quantized, some residual
+
+
+def every_cache_type():
+    """Name -> a function building an empty cache of each kind that kvgen exports (batch ``ROWS``)."""
+    return {
+        "dynamic": lambda: DynamicCache(),
+        "static": lambda: StaticCache(config=CONFIG, max_batch_size=ROWS, max_cache_len=64),
+        "offloaded": lambda: kvgen.OffloadedCache(),
+        "offloaded_static": lambda: kvgen.OffloadedStaticCache(config=CONFIG, max_batch_size=ROWS, max_cache_len=64),
+        "quantized-kivi": lambda: kvgen.QuantizedCache(backend="kivi", **QUANTIZED),
+        "quantized-offloaded": lambda: kvgen.QuantizedCache(backend="kivi", config=CONFIG, offloading=True,
+                                                            **QUANTIZED),
+        "quanto": lambda: kvgen.QuantoQuantizedCache(**QUANTIZED),
+        "hqq": lambda: kvgen.HQQQuantizedCache(axis_key=1, axis_value=1, **QUANTIZED),
+        "sliding_window": lambda: kvgen.SlidingWindowCache(config=SLIDING, max_batch_size=ROWS, max_cache_len=64),
+        "hybrid": lambda: kvgen.HybridCache(config=SLIDING, max_batch_size=ROWS, max_cache_len=64),
+        "sink": lambda: kvgen.SinkCache(window_length=16, num_sink_tokens=2),
+        "static_sink": lambda: kvgen.StaticSinkCache(config=CONFIG, window_length=16, num_sink_tokens=2,
+                                                     max_batch_size=ROWS),
+        "mamba": lambda: kvgen.MambaCache(MAMBA, batch_size=ROWS, dtype=torch.float32),
+        "jamba": lambda: kvgen.HybridMambaAttentionDynamicCache(JAMBA, batch_size=ROWS, dtype=torch.float32),
+        "encoder_decoder": lambda: EncoderDecoderCache(DynamicCache(), DynamicCache()),
+        "forked": lambda: DynamicCache(),  # filled, then forked: copy-on-write layers
+    }
+
+
+def filled(name: str, t: int = 40):
+    """A cache of kind ``name`` after ``t`` tokens of random keys/values (or states) in every layer, batch ``ROWS``."""
+    torch.manual_seed(0)
+    cache = every_cache_type()[name]()
+    target = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
+    for i in range(len(target.layers) or 2):
+        layer = target.layer(i)
+        if isinstance(layer, SSMLayer):
+            layer.write_ssm_states(torch.randn_like(layer.conv_state), torch.randn_like(layer.ssm_state),
+                                   torch.arange(t))
+        else:
+            target.update(torch.randn(ROWS, H, t, D), torch.randn(ROWS, H, t, D), i,
+                          {"cache_position": torch.arange(t), "rotary_emb": RotaryEmbedding(CONFIG)})
+        if isinstance(cache, EncoderDecoderCache):
+            cache.update_cross_attention(torch.randn(ROWS, H, 5, D), torch.randn(ROWS, H, 5, D), i)
+    return cache.fork(1)[0] if name == "forked" else cache
+
+
+def stored(cache) -> list[torch.Tensor]:
+    """Every tensor the cache stores, layer by layer: keys and values, or conv and SSM states."""
+    if isinstance(cache, EncoderDecoderCache):
+        return stored(cache.self_attention_cache) + stored(cache.cross_attention_cache)
+    return [t for layer in cache.layers for t in ((layer.conv_state, layer.ssm_state) if isinstance(layer, SSMLayer)
+                                                   else (layer.keys, layer.values))]
+
+
+@pytest.mark.parametrize("name", sorted(every_cache_type()))
+def test_batch_select_indices_takes_a_list_a_tuple_or_a_tensor(name):
+    if name in ("quanto", "hqq"):
+        pytest.importorskip({"quanto": "optimum.quanto", "hqq": "hqq"}[name])
+    cache = filled(name)
+    rows = stored(cache)
+    for indices, kept in (([2, 0], [2, 0]), ((2, 0), [2, 0]), (torch.tensor([2, 0]), [2, 0]),
+                          ((-1, 1, 1), [2, 1, 1]), (torch.tensor([1], dtype=torch.int32), [1]), ([], [])):
+        twin = copy.deepcopy(cache)
+        twin.batch_select_indices(indices)
+        got = stored(twin)
+        assert len(got) == len(rows) and all(g.equal(r[kept]) for g, r in zip(got, rows)), indices
+        assert twin.get_seq_length() == cache.get_seq_length()
+    twin = copy.deepcopy(cache)
+    twin.reorder_cache((2, 1, 0))  # beams follow too
+    assert all(g.equal(r.flip(0)) for g, r in zip(stored(twin), rows))
+    with pytest.raises(IndexError, match="batch row index 3 is out of range: the cache holds 3 rows"):
+        cache.batch_select_indices([0, 3])
+    assert all(g.equal(r) for g, r in zip(stored(cache), rows))  # a refused selection changes nothing
+
+
+@pytest.mark.parametrize("indices,error,match", [
+    (torch.tensor([0.0, 1.0]), ValueError, "must be integers, got torch.float32"),
+    ([0.5, 1], ValueError, "must be integers, got torch.float32"),
+    ([[0, 1]], ValueError, r"must be 1-D, got shape \(1, 2\)"),
+    ([[0], [1, 2]], ValueError, "must be a 1-D tensor, list or tuple of integers"),
+    (1, ValueError, "must be a 1-D tensor, list or tuple of integers"),
+    ("01", ValueError, "must be a 1-D tensor, list or tuple of integers"),
+    ([True, False, True], ValueError, "boolean mask; pass mask.nonzero"),
+    ((-4, 0), IndexError, r"index -4 is out of range: the cache holds 3 rows \(valid indices: -3..2\)"),
+])
+def test_batch_select_indices_refuses_what_is_not_a_row_index(indices, error, match):
+    cache = filled("dynamic")
+    rows = stored(cache)
+    with pytest.raises(error, match=match):
+        cache.batch_select_indices(indices)
+    assert all(g.equal(r) for g, r in zip(stored(cache), rows))
 
 
 # -- masks ----------------------------------------------------------------------------------------

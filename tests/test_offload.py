@@ -355,10 +355,12 @@ def test_host_side_operations_follow_the_plain_cache(model, make):
         assert torch.equal(k, pk) and torch.equal(v, pv)  # host reads wait for copies in flight
         assert placement.location.get(id(k), "compute") == "compute"  # on the model's device, as without offloading
 
-    for beams in (torch.tensor([1, 0]), torch.tensor([0, 0])):  # two reorders in a row compose: rows [1, 1]
+    for beams in ((1, 0), torch.tensor([0, 0])):  # two reorders in a row compose: rows [1, 1]
         cache.reorder_cache(beams)
         plain.reorder_cache(beams)
     assert cache.layers[1]._rows is not None  # deferred for an offloaded layer: done after its next prefetch
+    with pytest.raises(IndexError, match="holds 2 rows"):  # checked against the deferred rows
+        cache.reorder_cache([0, 2])
     forward_both(model, cache, plain, prompt(length=1, seed=4))
 
     cache.crop(8)
@@ -368,7 +370,7 @@ def test_host_side_operations_follow_the_plain_cache(model, make):
     cache.batch_repeat_interleave(2)
     plain.batch_repeat_interleave(2)
     forward_both(model, cache, plain, prompt(batch=4, length=1, seed=6))
-    cache.batch_select_indices(torch.tensor([3, 0]))
+    cache.batch_select_indices([3, 0])
     plain.batch_select_indices(torch.tensor([3, 0]))
     forward_both(model, cache, plain, prompt(length=1, seed=7))
     assert cache.nbytes() == plain.nbytes()

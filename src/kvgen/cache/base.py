@@ -70,8 +70,12 @@ class CacheLayer:
         raise NotImplementedError(f"{type(self).__name__} cannot be cropped")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep (and reorder) the batch rows ``indices``; used for beams and filtering."""
+        """Keep (and reorder) the batch rows ``indices`` (a checked LongTensor); used for beams and filtering."""
         raise NotImplementedError
+
+    def batch_tensor(self) -> torch.Tensor | None:
+        """A stored tensor whose first dimension is the batch (``None`` while empty), to check row indices against."""
+        return self.keys
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError
@@ -251,7 +255,9 @@ class Cache:
         """Reorder the batch rows (beam search); every layer and every part of it follows."""
         self.batch_select_indices(beam_idx)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def batch_select_indices(self, indices: torch.Tensor | list[int] | tuple[int, ...]) -> None:
+        """Keep (and reorder) batch rows ``indices``: a 1-D integer tensor, list or tuple (see :func:`row_indices`)."""
+        indices = row_indices(indices, self.layers)
         for layer in self.layers:
             layer.batch_select_indices(indices)
         if self.token_ids is not None:
@@ -348,6 +354,43 @@ def check_next_positions(cache_position: torch.Tensor, seen: int, holder: str, h
     if first != seen or last != seen + t - 1:
         raise ValueError(f"cache_position runs {first}..{last} but {holder} {seen} tokens, so the next positions "
                          f"must be {seen}..{seen + t - 1}. {hint}")
+
+
+def row_indices(indices, layers) -> torch.Tensor:
+    """``indices`` (a 1-D integer tensor, list or tuple of batch rows) as a LongTensor, checked against ``layers``.
+
+    The batch size and device are those of the first layer that stores anything; negative
+    indices count from the end, as in Python. Raises ``ValueError`` for anything but a 1-D
+    sequence of integers and ``IndexError`` for a row the cache does not hold.
+    """
+    if isinstance(indices, torch.Tensor):
+        rows = indices
+    else:
+        try:
+            rows = torch.as_tensor(indices) if len(indices) else torch.zeros(0, dtype=torch.long)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"batch row indices must be a 1-D tensor, list or tuple of integers, got {indices!r}"
+                             ) from error
+    if rows.dim() != 1:
+        raise ValueError(f"batch row indices must be 1-D, got shape {tuple(rows.shape)}: {indices!r}")
+    if rows.dtype == torch.bool:
+        raise ValueError("batch row indices must be integers, got a boolean mask; pass mask.nonzero().flatten() "
+                         "to keep its True rows")
+    if rows.is_floating_point() or rows.is_complex():
+        raise ValueError(f"batch row indices must be integers, got {rows.dtype} values; convert them with .long()")
+    stored = next((t for t in (layer.batch_tensor() for layer in layers) if t is not None), None)
+    if stored is None:  # nothing stored yet: nothing to check against
+        return rows.long()
+    batch = stored.shape[0]
+    if rows.numel():
+        low, high = (int(v) for v in torch.aminmax(rows))
+        if low < -batch or high >= batch:
+            bad = low if low < -batch else high
+            raise IndexError(f"batch row index {bad} is out of range: the cache holds {batch} rows "
+                             f"(valid indices: {-batch}..{batch - 1})")
+        if low < 0:
+            rows = rows.remainder(batch)
+    return rows.to(device=stored.device, dtype=torch.long)
 
 
 def map_nested(value, fn):

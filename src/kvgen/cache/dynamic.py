@@ -115,6 +115,9 @@ class DynamicLayer(CacheLayer):
         self._end -= self._seen - max_length
         self._seen = max_length
 
+    def batch_tensor(self):
+        return self._k
+
     def batch_select_indices(self, indices):
         if self._k is not None:
             self._k = self._k.index_select(0, indices.to(self._k.device))

@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer
+from kvgen.cache.base import Cache, CacheLayer, row_indices
 from kvgen.cache.dynamic import DynamicCache
 
 #: per layer: (self-attention key, value, cross-attention key, value)
@@ -155,7 +155,9 @@ class EncoderDecoderCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self.batch_select_indices(beam_idx)
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def batch_select_indices(self, indices: torch.Tensor | list[int] | tuple[int, ...]) -> None:
+        """Keep (and reorder) batch rows ``indices`` of both halves, checked against either before either changes."""
+        indices = row_indices(indices, [*self.self_attention_cache.layers, *self.cross_attention_cache.layers])
         self.self_attention_cache.batch_select_indices(indices)
         self.cross_attention_cache.batch_select_indices(indices)
 

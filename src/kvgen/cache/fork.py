@@ -145,6 +145,9 @@ class ForkedLayer(CacheLayer):
         self.prefix_values = self.prefix_values[:, :, :max_length]
         self.suffix = self._make_suffix(max_length)
 
+    def batch_tensor(self):
+        return self.rows
+
     def batch_select_indices(self, indices):
         self.rows = self.rows.index_select(0, indices.to(self.rows.device))
         self._same_rows = self._rows_are_identity()

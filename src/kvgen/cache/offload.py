@@ -359,6 +359,10 @@ class OffloadedLayer(CacheLayer):
     def crop(self, max_length):
         self._settled().crop(max_length)
 
+    def batch_tensor(self):
+        """The deferred row selection when there is one (its length is the batch), else the inner layer's tensor."""
+        return self._rows if self._rows is not None else self.inner.batch_tensor()
+
     def batch_select_indices(self, indices):
         if self.state == OFFLOADED and self.offloader.placement.moves:
             # deferred to the compute device: applied right after the next prefetch lands

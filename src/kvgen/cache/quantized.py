@@ -402,6 +402,9 @@ class QuantizedLayer(CacheLayer):
             self._n_res = r
         self._seen = max_length
 
+    def batch_tensor(self):
+        return self._rk
+
     def batch_select_indices(self, indices):
         self._plan = None
         if self._rk is not None:

@@ -302,6 +302,9 @@ class SinkLayer(CacheLayer):
         self._first.fill_(start if max_length > start else max(max_length, s))
         self._seen.fill_(max(max_length, 0))
 
+    def batch_tensor(self):
+        return self._k
+
     def batch_select_indices(self, indices):
         select_batch_rows(self, ("_k", "_v", "_raw"), indices)
 

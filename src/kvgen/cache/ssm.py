@@ -138,6 +138,9 @@ class SSMLayer(CacheLayer):
                 f"{max_length} tokens again (or keep a copy.deepcopy of the cache from that point)."
             )
 
+    def batch_tensor(self):
+        return self.conv_state
+
     def batch_select_indices(self, indices):
         select_batch_rows(self, _STATES, indices)
 

@@ -131,6 +131,9 @@ class StaticLayer(CacheLayer):
             self._v[:, :, max_length:] = 0
             self._seen.fill_(max_length)
 
+    def batch_tensor(self):
+        return self._k
+
     def batch_select_indices(self, indices):
         select_batch_rows(self, ("_k", "_v"), indices)
 

@@ -191,6 +191,9 @@ class SlidingWindowLayer(CacheLayer):
         self._v.masked_fill_(dropped.view(1, 1, -1, 1), 0)
         self._seen.fill_(max_length)
 
+    def batch_tensor(self):
+        return self._k
+
     def batch_select_indices(self, indices):
         select_batch_rows(self, ("_k", "_v"), indices)
 
