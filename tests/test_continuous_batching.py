@@ -321,3 +321,14 @@ def test_masks_take_per_row_key_positions():
     assert mask[0, 0].tolist() == [[True, True, False, False], [True, True, True, False], [False, False, False, True]]
     windowed, _ = attention_mask(torch.tensor([1, 2, 0]), keys, sliding_window=2)
     assert windowed[0, 0, 1].tolist() == [False, True, True, False]
+
+
+def test_cancelling_n_siblings_before_the_first_token_ends_them_all(model):
+    manager = model.init_continuous_batching(continuous_batching_config=cb())
+    rid = manager.add_request([1, 2, 3], max_new_tokens=5, do_sample=True, num_return_sequences=3)
+    manager.cancel_request(rid)  # queued behind the add: the loop sees both before any step
+    with manager:
+        finals = [manager.get_result(r, timeout=30) for r in (rid, f"{rid}__child#0", f"{rid}__child#1")]
+        assert manager.get_result(None, timeout=0.01) is None  # nothing left, no error
+    assert [o.finish_reason for o in finals] == ["cancelled"] * 3
+    assert manager.stats()["blocks_free"] == 64

@@ -200,7 +200,7 @@ class ContinuousBatchingManager:
         while True:
             with self._lock:
                 handles = list(self._handles.values()) if request_id is None else [self._handles.get(request_id)]
-            if handles[0] is None and request_id is not None:
+            if request_id is not None and handles[0] is None:
                 raise KeyError(f"no request {request_id!r} (unknown, or its final result was taken already)")
             wait = 0.1 if deadline is None else max(0.0, min(0.1, deadline - time.monotonic()))
             for handle in handles:
@@ -315,6 +315,12 @@ class ContinuousBatchingManager:
                 for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                     if seq.request_id == item or seq.request_id.startswith(f"{item}__child#"):
                         self._end(seq, RequestStatus.FINISHED, finish_reason="cancelled")
+                with self._lock:  # siblings not forked yet (cancelled before the first token): end them too
+                    unborn = [h for rid, h in self._handles.items() if rid.startswith(f"{item}__child#")
+                              and h.outputs.empty() and h.first_token is None]
+                for handle in unborn:
+                    handle.outputs.put(GenerationOutput(handle.request_id, status=RequestStatus.FINISHED,
+                                                        finish_reason="cancelled"))
 
     def _append(self, seq: Sequence, token: int, logprob: float, top: dict[int, float]) -> None:
         first = not seq.generated
