@@ -15,7 +15,7 @@ from kvgen.cache.paged import PagedAttentionCache, parse_memory
 from kvgen.masks import attention_mask
 from kvgen.models.decode_blocks import eager_blocks
 from kvgen.serving import ContinuousBatchingConfig, QueueFull, RequestStatus
-from kvgen.serving.blocks import BlockPool
+from kvgen.serving.blocks import BlockPool, prefix_keys
 
 CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -294,7 +294,7 @@ def test_bad_requests_get_clear_errors(model):
 def test_block_pool_reuses_cached_prefixes_least_recently_used_first():
     pool = BlockPool(num_blocks=4, block_size=2)
     a, b = pool.allocate(2), pool.allocate(2)
-    keys_a, keys_b = pool.keys_of([1, 2, 3, 4]), pool.keys_of([5, 6, 7, 8])
+    keys_a, keys_b = prefix_keys([1, 2, 3, 4], 2), prefix_keys([5, 6, 7, 8], 2)
     for blocks, keys in ((a, keys_a), (b, keys_b)):
         for block, key in zip(blocks, keys):
             pool.register(block, key)

@@ -13,10 +13,10 @@ contents and key, and are reused least recently used first when the pool runs ou
 Example:
     >>> pool = BlockPool(num_blocks=8, block_size=4)
     >>> table = pool.allocate(2)                      # two fresh blocks
-    >>> keys = pool.keys_of([1, 2, 3, 4, 5, 6, 7, 8])
+    >>> keys = prefix_keys([1, 2, 3, 4, 5, 6, 7, 8], block_size=4)
     >>> for block, key in zip(table, keys): pool.register(block, key)
     >>> pool.free(table)                              # contents stay cached
-    >>> pool.match_prefix(pool.keys_of([1, 2, 3, 4, 5, 6, 7, 8, 9])) == table
+    >>> pool.match_prefix(prefix_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], block_size=4)) == table
     True
 """
 
@@ -33,6 +33,15 @@ def block_hash(previous: bytes | None, token_ids) -> bytes:
     h.update(previous or b"\0" * 16)
     h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids))
     return h.digest()
+
+
+def prefix_keys(token_ids, block_size: int, previous: bytes | None = None) -> list[bytes]:
+    """Prefix keys of every full block of ``token_ids`` (after a chain ending in ``previous``)."""
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        previous = block_hash(previous, token_ids[start: start + block_size])
+        keys.append(previous)
+    return keys
 
 
 class BlockPool:
@@ -61,9 +70,6 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
 
     # -- allocation --------------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int]:
@@ -100,18 +106,7 @@ class BlockPool:
                 else:
                     heapq.heappush(self._free, block)
 
-    def refs(self, block: int) -> int:
-        return self._refs[block]
-
     # -- prefix cache ------------------------------------------------------------------------------
-    def keys_of(self, token_ids, previous: bytes | None = None) -> list[bytes]:
-        """Prefix keys of every full block of ``token_ids`` (after a chain ending in ``previous``)."""
-        keys, size = [], self.block_size
-        for start in range(0, len(token_ids) - size + 1, size):
-            previous = block_hash(previous, token_ids[start: start + size])
-            keys.append(previous)
-        return keys
-
     def lookup(self, keys: list[bytes]) -> list[int | None]:
         """The cached block of each prefix key (None where there is none); nothing is held."""
         return [self._block_of.get(key) for key in keys]
@@ -132,11 +127,3 @@ class BlockPool:
         if block not in self._key_of and key not in self._block_of:
             self._key_of[block] = key
             self._block_of[key] = block
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (the blocks' contents are about to become invalid)."""
-        for block in list(self._cached):
-            heapq.heappush(self._free, block)
-        self._cached.clear()
-        self._key_of.clear()
-        self._block_of.clear()

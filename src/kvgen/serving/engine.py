@@ -286,9 +286,6 @@ class ContinuousBatchingManager:
                 batch = self.scheduler.schedule()
                 if not batch:  # every block is held by waiting prefixes: cannot happen with checked requests
                     raise RuntimeError("the scheduler found nothing to run while requests are waiting")
-                for seq, _ in batch:
-                    if seq.status == RequestStatus.PENDING:
-                        seq.status = RequestStatus.PREFILLING
                 results = self.runner.step(batch)
                 self.steps += 1
                 for seq, n in batch:

@@ -26,7 +26,7 @@ from enum import IntEnum
 
 import torch
 
-from kvgen.serving.blocks import BlockPool, block_hash
+from kvgen.serving.blocks import BlockPool, block_hash, prefix_keys
 
 
 class RequestStatus(IntEnum):
@@ -171,7 +171,7 @@ class Scheduler:
         if len(seq.keys) < full:
             previous = seq.keys[-1] if seq.keys else None
             start = len(seq.keys) * self.block_size
-            seq.keys += next(iter(self.pools.values()))[0].keys_of(seq.tokens[start: full * self.block_size], previous)
+            seq.keys += prefix_keys(seq.tokens[start: full * self.block_size], self.block_size, previous)
         found = {kind: pool.lookup(seq.keys[:full]) for kind, (pool, _) in self.pools.items()}
         hit = full
         while hit > 0 and not all(None not in found[kind][self._first_needed(window, hit * self.block_size): hit]
