@@ -4,8 +4,9 @@
 # (text generation) and Whisper tiny.en in CTranslate2 format (`kvgen transcribe`).
 #   bash scripts/setup.sh          runtime
 #   bash scripts/setup.sh --test   runtime + test dependencies (pytest, pinned transformers, openai, matplotlib),
-#                                  the server's (fastapi, uvicorn: `kvgen serve`) and, where apt-get is available,
-#                                  Debian's espeak-ng to synthesise speech for tests
+#                                  the server's (fastapi, uvicorn, redis: `kvgen serve`) and, where apt-get is
+#                                  available, Debian's espeak-ng to synthesise speech for tests and redis-server
+#                                  (tests/test_kv_store.py starts its own instances; they fail without it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python3}"
@@ -25,5 +26,14 @@ if [ "${1:-}" = "--test" ] && ! command -v espeak-ng >/dev/null; then
       || echo "setup.sh: could not install espeak-ng; the speech tests will be skipped" >&2
   else
     echo "setup.sh: espeak-ng is missing and apt-get is not available; the speech tests will be skipped" >&2
+  fi
+fi
+if [ "${1:-}" = "--test" ] && ! command -v redis-server >/dev/null; then
+  if command -v apt-get >/dev/null; then
+    sudo=(); [ "$(id -u)" = 0 ] || sudo=(sudo)
+    "${sudo[@]}" apt-get update -qq && "${sudo[@]}" apt-get install -y -qq redis-server >/dev/null \
+      || echo "setup.sh: could not install redis-server; tests/test_kv_store.py will fail" >&2
+  else
+    echo "setup.sh: redis-server is missing and apt-get is not available; tests/test_kv_store.py will fail" >&2
   fi
 fi

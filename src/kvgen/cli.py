@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -224,10 +225,11 @@ def cmd_serve(args) -> int:
         raise ModuleNotFoundError(f"kvgen serve needs {error.name}: pip install 'kvgen[serve]'") from None
     from kvgen.serving import ContinuousBatchingConfig
 
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
     model, tokenizer = load(args.model, args.dtype)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_memory=args.kv_cache_memory,
-                                      max_queue=args.max_queue)
+                                      max_queue=args.max_queue, kv_store=args.kv_store)
     app = create_app(model, tokenizer, name, engine_config=engine, api_key=args.api_key)
     serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     return 0
@@ -309,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests at most; past it requests get 429 with Retry-After")
     s.add_argument("--kv-cache-memory", default="1GiB",
                    help="KV cache budget: bytes, e.g. 512MB, or a fraction of free memory such as 0.5")
+    s.add_argument("--kv-store", metavar="URL",
+                   help="share prefix blocks with other replicas through Redis: redis://host:port/db")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let running requests finish before cancelling them")
     s.add_argument("--verbose", action="store_true", help="show a traceback on errors")

@@ -30,6 +30,7 @@ from kvgen.generation.config import GenerationConfig
 from kvgen.serving.blocks import BlockPool
 from kvgen.serving.runner import ModelRunner
 from kvgen.serving.scheduler import RequestStatus, SamplingParams, Scheduler, Sequence
+from kvgen.serving.store import open_store
 
 
 @dataclass
@@ -58,7 +59,8 @@ class ContinuousBatchingConfig:
 
     ``max_memory``: the KV cache budget (bytes, ``"512MB"``, or a fraction of free memory),
     unless ``num_blocks`` is given. ``max_batch_tokens``: tokens per forward pass (prompts are
-    prefilled in chunks of what is left). ``max_num_seqs``: running sequences at most.
+    prefilled in chunks of what is left). ``max_num_seqs``: running sequences at most. ``kv_store``:
+    ``redis://host:port/db`` of a prefix-block store shared with other replicas (:mod:`kvgen.serving.store`).
     """
 
     block_size: int = 16
@@ -68,6 +70,7 @@ class ContinuousBatchingConfig:
     max_num_seqs: int = 32
     prefix_caching: bool = True
     max_queue: int | None = None  # waiting requests at most (None: no bound); add_request raises QueueFull past it
+    kv_store: str | None = None
 
 
 class QueueFull(RuntimeError):
@@ -105,8 +108,11 @@ class ContinuousBatchingManager:
         windows = {"full_attention": None, "sliding_attention": model.config.get("sliding_window")}
         self.pools = {kind: (BlockPool(self.cache.num_blocks, self.config.block_size), windows[kind])
                       for kind in self.cache.kinds}
+        if self.config.kv_store and not self.config.prefix_caching:
+            raise ValueError("kv_store shares prefix blocks: it needs prefix_caching=True")
+        self.store = open_store(self.config.kv_store, model, self.cache) if self.config.kv_store else None
         self.scheduler = Scheduler(self.pools, self.config.max_num_seqs, self.config.max_batch_tokens,
-                                   self.config.prefix_caching)
+                                   self.config.prefix_caching, self.store)
         self.runner = ModelRunner(model, self.cache)
         self.context_length = model.config.get("max_position_embeddings")
         self._incoming: queue.Queue = queue.Queue()
@@ -232,13 +238,14 @@ class ContinuousBatchingManager:
 
     # -- metrics -----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters for monitoring: queues, blocks, prefix-cache hit rate, steps, tokens."""
-        return {"running": len(self.scheduler.running), "waiting": self._waiting_count(),
-                "blocks_total": sum(pool.num_blocks for pool, _ in self.pools.values()),
-                "blocks_free": sum(pool.num_free for pool, _ in self.pools.values()),
-                "prefix_cache_hit_rate": self.scheduler.hit_rate, "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
-                "prefix_cache_query_tokens": self.scheduler.query_tokens, "preemptions": self.scheduler.preemptions,
-                "steps": self.steps, "generated_tokens": self.generated_tokens}
+        """Counters for monitoring: queues, blocks, prefix-cache hit rate, steps, tokens (and the shared store's)."""
+        stats = {"running": len(self.scheduler.running), "waiting": self._waiting_count(),
+                 "blocks_total": sum(pool.num_blocks for pool, _ in self.pools.values()),
+                 "blocks_free": sum(pool.num_free for pool, _ in self.pools.values()),
+                 "prefix_cache_hit_rate": self.scheduler.hit_rate, "prefix_cache_hit_tokens": self.scheduler.hit_tokens,
+                 "prefix_cache_query_tokens": self.scheduler.query_tokens, "preemptions": self.scheduler.preemptions,
+                 "steps": self.steps, "generated_tokens": self.generated_tokens}
+        return {**stats, **self.store.stats()} if self.store is not None else stats
 
     def _waiting_count(self) -> int:
         return len(self.scheduler.waiting) + self._incoming.qsize()
@@ -290,10 +297,14 @@ class ContinuousBatchingManager:
                 self.steps += 1
                 for seq, n in batch:
                     self.scheduler.computed(seq, n)
+                if self.store is not None:
+                    self.store.flush()
                 for seq, token, logprob, top in results:
                     self._append(seq, token, logprob, top)
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._end(seq, RequestStatus.FAILED, error="the manager stopped")
+            if self.store is not None:
+                self.store.drain(timeout=5.0)
         except BaseException as error:  # deliver the failure to every caller, then stop
             self.error = error
             traceback.print_exc()

@@ -8,7 +8,9 @@ layer (full, sliding window) has its own pool and block table per sequence; a bl
 future query of a sliding layer sees past its window goes back to that pool at once. When a pool has no
 block for a running sequence's next token, the latest arrival is preempted: its blocks go
 back to the pool (full ones stay in the prefix cache) and it waits at the front of the queue,
-to be recomputed from its tokens so far; no request is ever dropped.
+to be recomputed from its tokens so far; no request is ever dropped. With a shared ``store``
+(:class:`kvgen.serving.store.PrefixStore`), a prompt's blocks missing here are looked up there
+first, and every block filled here is offered to it.
 
 Example:
     >>> scheduler = Scheduler({"full_attention": (BlockPool(64, 16), None)}, 8, 256)   # doctest: +SKIP
@@ -23,10 +25,14 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvgen.serving.blocks import BlockPool, block_hash, prefix_keys
+
+if TYPE_CHECKING:
+    from kvgen.serving.store import PrefixStore
 
 
 class RequestStatus(IntEnum):
@@ -95,17 +101,21 @@ class Scheduler:
     """Waiting and running queues over one :class:`BlockPool` per layer kind.
 
     ``pools``: ``{kind: (pool, window)}``, ``window`` the sliding window of that kind's layers
-    (``None``: they see every position). All pools have the same block size.
+    (``None``: they see every position). All pools have the same block size. ``store``: a shared
+    :class:`~kvgen.serving.store.PrefixStore` for the one pool of a model whose layers are all full attention.
     """
 
     def __init__(self, pools: dict[str, tuple[BlockPool, int | None]], max_num_seqs: int, max_batch_tokens: int,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, store: PrefixStore | None = None):
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_num_seqs and max_batch_tokens must be >= 1, got {max_num_seqs}, {max_batch_tokens}")
         self.pools = pools
         self.block_size = next(iter(pools.values()))[0].block_size
         self.max_num_seqs, self.max_batch_tokens = max_num_seqs, max_batch_tokens
         self.prefix_caching = prefix_caching
+        if store is not None and (not prefix_caching or list(pools) != ["full_attention"]):
+            raise ValueError("a prefix store needs prefix caching and a model whose layers are all full attention")
+        self.store = store
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
@@ -173,6 +183,8 @@ class Scheduler:
             start = len(seq.keys) * self.block_size
             seq.keys += prefix_keys(seq.tokens[start: full * self.block_size], self.block_size, previous)
         found = {kind: pool.lookup(seq.keys[:full]) for kind, (pool, _) in self.pools.items()}
+        if self.store is not None and None in found["full_attention"]:
+            found["full_attention"] = self._fetch(seq.keys[:full], found["full_attention"])
         hit = full
         while hit > 0 and not all(None not in found[kind][self._first_needed(window, hit * self.block_size): hit]
                                   for kind, (_, window) in self.pools.items()):
@@ -187,6 +199,17 @@ class Scheduler:
             seq.cached_prompt_tokens = seq.num_computed
             self.query_tokens += len(seq.prompt)
             self.hit_tokens += seq.num_computed
+
+    def _fetch(self, keys: list[bytes], local: list[int | None]) -> list[int | None]:
+        """The blocks of ``keys`` after the shared store has filled what follows the local chain."""
+        pool = self.pools["full_attention"][0]
+        have = local.index(None)
+        pool.share(local[:have])  # the local chain is not evicted for the store's blocks
+        try:
+            self.store.load(pool, keys[have:])
+        finally:
+            pool.free(local[:have])
+        return pool.lookup(keys)
 
     def _reserve(self, seq: Sequence, tokens: int) -> bool:
         """Give ``seq`` blocks for its first ``tokens`` tokens in every pool; False (nothing taken) when one is short."""
@@ -212,6 +235,8 @@ class Scheduler:
                 for kind, (pool, _) in self.pools.items():
                     if seq.tables[kind][j] >= 0:
                         pool.register(seq.tables[kind][j], seq.keys[j])
+                if self.store is not None:
+                    self.store.save(seq.tables["full_attention"][j], seq.keys[j])
                 seq.num_keyed = j + 1
         for kind, (pool, window) in self.pools.items():
             table = seq.tables[kind]

@@ -177,6 +177,20 @@ class _Metrics:
                 ("generation_tokens_total", "counter", "Tokens generated.", stats["generated_tokens"]),
                 ("prompt_tokens_total", "counter", "Prompt tokens received.", self.prompt_tokens),
                 ("preemptions_total", "counter", "Sequences preempted for lack of blocks.", stats["preemptions"])]
+        if "kv_store_hits" in stats:
+            rows += [("kv_store_available", "gauge", "1 while the shared prefix store (Redis) is in use.",
+                      stats["kv_store_available"]),
+                     ("kv_store_hits_total", "counter", "Prefix blocks loaded from the shared store.",
+                      stats["kv_store_hits"]),
+                     ("kv_store_misses_total", "counter", "Prefix blocks asked of the shared store and absent.",
+                      stats["kv_store_misses"]),
+                     ("kv_store_rejected_total", "counter", "Shared-store entries ignored (damaged, other model).",
+                      stats["kv_store_rejected"]),
+                     ("kv_store_errors_total", "counter", "Failed calls to the shared store.",
+                      stats["kv_store_errors"]),
+                     ("kv_store_writes_total", "counter", "Prefix blocks written to the shared store.",
+                      stats["kv_store_writes"]),
+                     ("kv_store_pending", "gauge", "Prefix blocks waiting to be written.", stats["kv_store_pending"])]
         lines = [line for name, kind, help_text, value in rows for line in
                  (f"# HELP kvgen_{name} {help_text}", f"# TYPE kvgen_{name} {kind}", f"kvgen_{name} {value}")]
         finished = "kvgen_requests_finished_total"
