@@ -52,6 +52,7 @@ class GenerateDecoderOnlyOutput(ModelOutput):
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
     past_key_values: Any = None
+    speculation: Any = None  # SpeculationStats of speculative decoding (kvgen only)
 
 
 @dataclass

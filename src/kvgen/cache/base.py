@@ -13,7 +13,8 @@ classes only choose which layers to build. Models talk to the container alone:
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import copy
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -69,6 +70,17 @@ class CacheLayer:
     def crop(self, max_length: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot be cropped")
 
+    def checkpoint(self, new_tokens: int) -> Callable[[], None] | None:
+        """Before ``new_tokens`` more are written: ``None`` when ``crop`` can later take the layer back exactly to
+        its present length (the default), else a function that puts it back as it is now (speculative decoding
+        verifies drafts, then drops the rejected ones)."""
+        return None
+
+    def chunk_limit(self) -> int | None:
+        """Most tokens one ``update`` can take now and still give each of them what one-by-one updates would
+        (``None``: any number). Speculative decoding splits its verifying pass to stay exact."""
+        return None
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep (and reorder) the batch rows ``indices`` (a checked LongTensor); used for beams and filtering."""
         raise NotImplementedError
@@ -110,6 +122,23 @@ class CacheLayer:
                 setattr(self, name, fn(value))
             elif not isinstance(value, type) and callable(getattr(value, "map_tensors", None)):
                 value.map_tensors(fn)
+
+
+def snapshot(layer: CacheLayer) -> Callable[[], None]:
+    """A function that puts ``layer``'s tensors (in place: buffers keep their address) and counters back as now."""
+    saved = {name: value.clone() if isinstance(value, torch.Tensor) else copy.copy(value)
+             for name, value in vars(layer).items()}
+
+    def restore() -> None:
+        for name, value in saved.items():
+            current = vars(layer).get(name)
+            if (isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor)
+                    and current.shape == value.shape and current.dtype == value.dtype):
+                current.copy_(value)
+            else:
+                setattr(layer, name, value)
+
+    return restore
 
 
 class Cache:

@@ -359,6 +359,12 @@ class OffloadedLayer(CacheLayer):
     def crop(self, max_length):
         self._settled().crop(max_length)
 
+    def checkpoint(self, new_tokens):
+        return self._settled().checkpoint(new_tokens)
+
+    def chunk_limit(self):
+        return self._settled().chunk_limit()
+
     def batch_tensor(self):
         """The deferred row selection when there is one (its length is the batch), else the inner layer's tensor."""
         return self._rows if self._rows is not None else self.inner.batch_tensor()

@@ -402,6 +402,30 @@ class QuantizedLayer(CacheLayer):
             self._n_res = r
         self._seen = max_length
 
+    def checkpoint(self, new_tokens):
+        """``None`` while the new tokens stay in the residual; when they would quantize blocks, a restore that
+        drops those blocks and puts back the residual (``crop`` would bring their tokens back dequantized)."""
+        if self._rk is None or not self._flush_count(self._n_res + new_tokens):
+            return None
+        quantized, state = self._kq.length, (self._n_sink, self._n_res, self._seen)
+        kept = self.sinks + self._n_res
+        residual = self._rk[:, :, :kept].clone(), self._rv[:, :, :kept].clone()  # (B, H, sinks + residual, D)
+
+        def restore():
+            self._kq.crop(quantized, self._rk.dtype)  # whole blocks: nothing comes back
+            self._vq.crop(quantized, self._rv.dtype)
+            self._rk[:, :, :kept], self._rv[:, :, :kept] = residual
+            self._n_sink, self._n_res, self._seen = state
+            self._plan = None
+
+        return restore
+
+    def chunk_limit(self):
+        # one by one, the tokens before the one that fills the residual see it unquantized; from that one on,
+        # a block less of it until the next block fills
+        before = self.config.residual_length + self.block - 1 - self._n_res
+        return before if before > 0 else self.block
+
     def batch_tensor(self):
         return self._rk
 

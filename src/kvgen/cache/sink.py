@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, check_next_positions, config_value, text_config
+from kvgen.cache.base import Cache, CacheLayer, check_next_positions, snapshot, config_value, text_config
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import repeat_batch_rows, select_batch_rows
 from kvgen.rope import apply_rotary
@@ -301,6 +301,15 @@ class SinkLayer(CacheLayer):
         start = max(int(self._first), seen - self._ring)  # oldest window position held
         self._first.fill_(start if max_length > start else max(max_length, s))
         self._seen.fill_(max(max_length, 0))
+
+    def checkpoint(self, new_tokens):
+        if self._k is None or self.get_seq_length() + new_tokens <= self.window_length:
+            return None  # nothing gets evicted
+        return snapshot(self)
+
+    def chunk_limit(self):
+        # once full, each token shifts the window (and the keys' rotation) that the next one sees
+        return max(self.window_length - self.get_seq_length(), 1)
 
     def batch_tensor(self):
         return self._k

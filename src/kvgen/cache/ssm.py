@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import CacheLayer, check_next_positions, config_value, text_config
+from kvgen.cache.base import CacheLayer, check_next_positions, snapshot, config_value, text_config
 from kvgen.cache.dynamic import DynamicCache
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import repeat_batch_rows, select_batch_rows
@@ -137,6 +137,9 @@ class SSMLayer(CacheLayer):
                 "tokens seen and cannot be taken back to an earlier length. Call cache.reset() and feed the first "
                 f"{max_length} tokens again (or keep a copy.deepcopy of the cache from that point)."
             )
+
+    def checkpoint(self, new_tokens):
+        return snapshot(self)  # the state mixes every token in: no crop can take one out
 
     def batch_tensor(self):
         return self.conv_state

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, check_next_positions, config_value, text_config
+from kvgen.cache.base import Cache, CacheLayer, check_next_positions, snapshot, config_value, text_config
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import StaticLayer, repeat_batch_rows, select_batch_rows
 
@@ -190,6 +190,11 @@ class SlidingWindowLayer(CacheLayer):
         self._k.masked_fill_(dropped.view(1, 1, -1, 1), 0)
         self._v.masked_fill_(dropped.view(1, 1, -1, 1), 0)
         self._seen.fill_(max_length)
+
+    def checkpoint(self, new_tokens):
+        if self._k is None or self.get_seq_length() + new_tokens <= self.slots:
+            return None  # nothing gets overwritten
+        return snapshot(self)
 
     def batch_tensor(self):
         return self._k

@@ -62,6 +62,13 @@ class GenerationConfig:
     eos_token_id: int | list[int] | None = None
     suppress_tokens: list[int] | None = None  # never generated (Whisper's generation config sets these)
     begin_suppress_tokens: list[int] | None = None  # not generated as the first new token
+    # speculative decoding (kvgen.generation.speculative): one drafter at a time
+    prompt_lookup_num_tokens: int | None = None  # draft this many tokens by n-gram lookup in the sequence
+    max_matching_ngram_size: int | None = None  # longest n-gram looked up (default 2)
+    assistant_early_exit: int | None = None  # draft with the model's first layers
+    num_assistant_tokens: int | None = None  # tokens an assistant model drafts per step (default 20)
+    num_assistant_tokens_schedule: str | None = None  # "constant" (default), "heuristic" or "heuristic_transient"
+    assistant_confidence_threshold: float | None = None  # the assistant stops drafting below this probability
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -134,6 +141,19 @@ class GenerationConfig:
              "diversity_penalty works between beam groups: set num_beam_groups > 1 (and num_beams a multiple of it)"),
             (c.early_stopping in (True, False, "never"),
              f"early_stopping must be True, False or 'never', got {c.early_stopping!r}"),
+            (c.prompt_lookup_num_tokens is None or c.prompt_lookup_num_tokens > 0,
+             f"prompt_lookup_num_tokens must be > 0, got {c.prompt_lookup_num_tokens}"),
+            (c.max_matching_ngram_size is None or c.max_matching_ngram_size > 0,
+             f"max_matching_ngram_size must be > 0, got {c.max_matching_ngram_size}"),
+            (c.assistant_early_exit is None or c.assistant_early_exit > 0,
+             f"assistant_early_exit must be a number of layers > 0, got {c.assistant_early_exit}"),
+            (c.num_assistant_tokens is None or c.num_assistant_tokens > 0,
+             f"num_assistant_tokens must be > 0, got {c.num_assistant_tokens}"),
+            (c.num_assistant_tokens_schedule in (None, "constant", "heuristic", "heuristic_transient"),
+             "num_assistant_tokens_schedule must be 'constant', 'heuristic' or 'heuristic_transient', got "
+             f"{c.num_assistant_tokens_schedule!r}"),
+            (c.assistant_confidence_threshold is None or 0 <= c.assistant_confidence_threshold < 1,
+             f"assistant_confidence_threshold must be in [0, 1), got {c.assistant_confidence_threshold}"),
         ]
         for ok, message in checks:
             if not ok:

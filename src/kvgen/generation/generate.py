@@ -19,6 +19,7 @@ from kvgen.cache.registry import create_cache
 from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import build_processors
 from kvgen.generation.search import BeamSearch, choose_next_tokens
+from kvgen.generation.speculative import make_drafter, speculative_decode
 from kvgen.models.decode_blocks import blocks_compiled, eager_blocks
 from kvgen.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
@@ -84,12 +85,14 @@ class GenerationMixin:
 
     @torch.no_grad()
     def generate(self, inputs: torch.LongTensor | None = None, generation_config: GenerationConfig | None = None,
-                 streamer=None, **kwargs):
+                 streamer=None, assistant_model=None, **kwargs):
         """Generate tokens after ``input_ids`` (greedy, sampling or beam search), with any cache.
 
         Keyword arguments are generation settings (see :class:`GenerationConfig`) and the
         model inputs ``input_ids``, ``attention_mask`` and ``past_key_values`` (a cache to
         fill or continue: only the tokens it has not seen are fed).
+        ``assistant_model``, ``prompt_lookup_num_tokens`` or ``assistant_early_exit`` turn on
+        speculative decoding (:mod:`kvgen.generation.speculative`).
         Returns the sequences (B, L + new), or with ``return_dict_in_generate=True`` a
         ``GenerateDecoderOnlyOutput`` (``GenerateBeamDecoderOnlyOutput`` with ``num_beams > 1``).
         """
@@ -111,6 +114,8 @@ class GenerationMixin:
             config.pad_token_id = config.eos_ids()[0]
 
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
+        processors = build_processors(config, input_ids.shape[1])
+        drafter = make_drafter(self, config, assistant_model, input_ids, processors)  # (raises before any cache edit)
         cache, legacy_in = as_cache(past_key_values)
         if cache is not None:  # before anything edits it: a cache of another model raises untouched
             check_cache_model(cache, self)
@@ -123,8 +128,13 @@ class GenerationMixin:
                                  dtype=self.dtype, cache_config=config.cache_config)
         seen = 0 if cache is None else _reusable_prefix(cache, input_ids, max_length)
 
+        speculation = None
         with eager_blocks() if config.disable_compile else contextlib.nullcontext():
-            if beams:
+            if drafter is not None:
+                sequences, scores, logits, speculation = speculative_decode(
+                    self, drafter, input_ids, attention_mask, _positions_from_mask(attention_mask), cache, seen,
+                    config, max_length, streamer, processors)
+            elif beams:
                 sequences, scores, logits, search = self._beam_decode(input_ids, attention_mask, cache, seen, config,
                                                                       max_length)
             else:
@@ -138,7 +148,8 @@ class GenerationMixin:
             return GenerateBeamDecoderOnlyOutput(
                 sequences=sequences, sequences_scores=search.sequences_scores if config.output_scores else None,
                 scores=scores, logits=logits, beam_indices=search.sequence_beam_indices, past_key_values=cache)
-        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache)
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache,
+                                         speculation=speculation)
 
     def generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
                        continuous_batching_config=None, tokenizer=None, **settings):
