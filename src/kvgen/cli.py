@@ -48,11 +48,13 @@ class _Clock:
         self.text = None if tokenizer is None else _text_streamer(tokenizer)
         self.start = time.perf_counter()
         self.stamps: list[float] = []
+        self.counts: list[int] = []  # tokens per put (speculative decoding puts several at once)
 
     def put(self, value):
         if self.text is not None:
             self.text.put(value)
         self.stamps.append(time.perf_counter())
+        self.counts.append(value.numel())
 
     def end(self):
         if self.text is not None:
@@ -62,8 +64,8 @@ class _Clock:
         return self.stamps[1] - self.start if len(self.stamps) > 1 else float("nan")
 
     def decode_tokens_per_second(self) -> float:
-        new = len(self.stamps) - 1  # the first put is the prompt
-        return (new - 1) / (self.stamps[-1] - self.stamps[1]) if new > 1 else float("nan")
+        # the first put is the prompt, the second the first new token (its time is the prefill's)
+        return sum(self.counts[2:]) / (self.stamps[-1] - self.stamps[1]) if len(self.stamps) > 2 else float("nan")
 
 
 def _text_streamer(tokenizer):
@@ -99,14 +101,16 @@ def _make_cache(model, name: str, cache_config, max_cache_len: int):
                         dtype=model.dtype, cache_config=cache_config)
 
 
-def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: _Clock) -> str:
+def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: _Clock, speculation=None) -> str:
     from kvgen.bench import peak_rss_mb
 
     prefill = clock.prefill_seconds()
+    drafts = "" if speculation is None else (f" drafted={speculation.drafted} "
+                                             f"acceptance_rate={speculation.acceptance_rate:.2f}")
     return (f"[kvgen] cache={type(cache).__name__} prompt_tokens={prompt_tokens} new_tokens={new_tokens} "
             f"prefill_s={prefill:.3f} prompt_tok_per_s={prompt_tokens / prefill:.1f} "
             f"decode_tok_per_s={clock.decode_tokens_per_second():.2f} weights={model.weight_format} "
-            f"peak_rss_mb={peak_rss_mb():.0f} cache_bytes={cache.nbytes()}")
+            f"peak_rss_mb={peak_rss_mb():.0f} cache_bytes={cache.nbytes()}{drafts}")
 
 
 def cmd_generate(args) -> int:
@@ -118,6 +122,13 @@ def cmd_generate(args) -> int:
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
     prompt_tokens = inputs["input_ids"].shape[1]
+    drafting = {}
+    if args.lookup:
+        drafting["prompt_lookup_num_tokens"] = args.lookup
+    if args.draft_model:
+        drafting["assistant_model"] = load(args.draft_model, args.dtype, args.quantize, args.group_size)[0]
+    if args.early_exit:
+        drafting["assistant_early_exit"] = args.early_exit
     print(prompt, end="", flush=True)  # then the continuation, token by token
     clock = _Clock(tokenizer)  # (time to first token includes loading a prompt cache)
     prompt_cache = Path(args.prompt_cache) if args.prompt_cache else None
@@ -130,9 +141,10 @@ def cmd_generate(args) -> int:
     else:
         cache = _make_cache(model, args.cache, args.cache_config, prompt_tokens + args.max_new_tokens)
     out = model.generate(**inputs.to(model.device), past_key_values=cache, max_new_tokens=args.max_new_tokens,
-                         do_sample=args.do_sample, temperature=args.temperature, streamer=clock)
-    new = out[0, prompt_tokens:]
-    print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock))
+                         do_sample=args.do_sample, temperature=args.temperature, streamer=clock,
+                         return_dict_in_generate=True, **drafting)
+    new = out.sequences[0, prompt_tokens:]
+    print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock, out.speculation))
     if prompt_cache is not None:
         saved = not prompt_cache.exists()
         if saved:  # first use: keep the prompt's keys and values (not the reply's) for later runs
@@ -261,6 +273,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)  # streaming is the default now
     g.add_argument("--do-sample", action="store_true")
     g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--lookup", type=_positive_int, metavar="N",
+                   help="speculative decoding: draft N tokens by prompt lookup (n-grams of the text so far)")
+    g.add_argument("--draft-model", metavar="PATH",
+                   help="speculative decoding: draft with this smaller model (same tokenizer), loaded like --model")
+    g.add_argument("--early-exit", type=_positive_int, metavar="LAYERS",
+                   help="speculative decoding: draft with the model's first LAYERS layers")
     g.add_argument("--prompt-cache", metavar="FILE",
                    help="reuse the keys/values of a prompt prefix across runs: saved to FILE on first use, loaded "
                         "later when the prompt starts with the same tokens (the file's cache type wins over --cache)")

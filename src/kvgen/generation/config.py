@@ -67,7 +67,7 @@ class GenerationConfig:
     max_matching_ngram_size: int | None = None  # longest n-gram looked up (default 2)
     assistant_early_exit: int | None = None  # draft with the model's first layers
     num_assistant_tokens: int | None = None  # tokens an assistant model drafts per step (default 20)
-    num_assistant_tokens_schedule: str | None = None  # "constant" (default), "heuristic" or "heuristic_transient"
+    num_assistant_tokens_schedule: str | None = None  # "adaptive" (default), "constant", "heuristic"...
     assistant_confidence_threshold: float | None = None  # the assistant stops drafting below this probability
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -149,8 +149,8 @@ class GenerationConfig:
              f"assistant_early_exit must be a number of layers > 0, got {c.assistant_early_exit}"),
             (c.num_assistant_tokens is None or c.num_assistant_tokens > 0,
              f"num_assistant_tokens must be > 0, got {c.num_assistant_tokens}"),
-            (c.num_assistant_tokens_schedule in (None, "constant", "heuristic", "heuristic_transient"),
-             "num_assistant_tokens_schedule must be 'constant', 'heuristic' or 'heuristic_transient', got "
+            (c.num_assistant_tokens_schedule in (None, "adaptive", "constant", "heuristic", "heuristic_transient"),
+             "num_assistant_tokens_schedule must be 'adaptive', 'constant', 'heuristic' or 'heuristic_transient', got "
              f"{c.num_assistant_tokens_schedule!r}"),
             (c.assistant_confidence_threshold is None or 0 <= c.assistant_confidence_threshold < 1,
              f"assistant_confidence_threshold must be in [0, 1), got {c.assistant_confidence_threshold}"),

@@ -31,10 +31,18 @@ from torch import nn
 from kvgen.cache.base import Cache
 from kvgen.cache.registry import create_cache
 from kvgen.generation.search import choose_next_tokens
+from kvgen.models.decode_blocks import MAX_ROWS
 
-#: transformers' defaults for an assistant model's drafting (GenerationConfig's global defaults)
-ASSISTANT_DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "constant",
+#: defaults for an assistant model's drafting: transformers' (its GenerationConfig's global defaults), except the
+#: schedule: kvgen's "adaptive" unless "constant", "heuristic" or "heuristic_transient" is asked for
+ASSISTANT_DEFAULTS = {"num_assistant_tokens": 20, "num_assistant_tokens_schedule": "adaptive",
                       "assistant_confidence_threshold": 0.4}
+#: the cost of verifying k drafts along with the last token, in decode steps: 1 + ROW_COST * sqrt(k) (measured on
+#: 2 CPU cores, SmolLM2 float32 compiled and Q8_0/Q4_1: 2 rows 1.1-1.2x, 4 rows 1.1-1.4x, 8 rows 1.2-1.6x one row)
+ROW_COST = 0.2
+#: the adaptive schedule: prior acceptance of a first draft and of a draft after an accepted one, how fast their
+#: estimates follow the outcomes, and the longest pause (in steps) between probes while drafts do not pay
+PRIOR_FIRST, PRIOR_LATER, RATE, MAX_PAUSE = 0.6, 0.8, 0.3, 32
 
 
 @dataclass
@@ -56,7 +64,64 @@ def _processed(processors, input_ids: torch.Tensor, scores: torch.Tensor) -> tor
     return scores
 
 
-class PromptLookup:
+class Drafter:
+    """How many tokens to draft next, and what the drafts' fate teaches.
+
+    ``schedule``: ``"constant"`` drafts ``num_tokens`` every step; ``"heuristic"`` (kept for
+    the drafter's next call) and ``"heuristic_transient"`` add 2 after a step that accepted
+    every draft and take 1 away (to at least 1) otherwise, as transformers does. kvgen's
+    ``"adaptive"`` drafts the number (at most ``num_tokens``, and at most 7 on CPU, where 8
+    rows cost about one) with the most expected tokens per unit of cost, from running
+    estimates of how often a first draft, and a draft after an accepted one, are kept; a
+    draft token costs ``cost`` (0 for lookup, the drafter's share of the weights for a
+    model) plus its verifying row. While drafting does not pay, it pauses for 1, 2, 4, ...
+    up to 32 steps between probes, so text that never repeats decodes at about plain speed.
+    """
+
+    cost = 0.0  # one draft token, in decode steps of the model
+
+    def __init__(self, num_tokens: int, schedule: str):
+        self.num_tokens, self.schedule = num_tokens, schedule
+        self.first, self.later = PRIOR_FIRST, PRIOR_LATER  # estimated acceptance
+        self.pause, self.wait = 1, 0  # next pause length, steps left in this one
+
+    def length(self, budget: int, max_rows: int | None) -> int:
+        """Tokens to draft now, at most ``budget`` (and ``max_rows - 1`` for the adaptive schedule)."""
+        limit = min(int(self.num_tokens), budget)
+        if self.schedule != "adaptive":
+            return limit
+        if self.wait:
+            self.wait -= 1
+            return 0
+        return self._best(limit if max_rows is None else min(limit, max_rows - 1))[0]
+
+    def _best(self, limit: int) -> tuple[int, float]:
+        """The draft length in 1..limit with the most expected tokens per cost, and that ratio (0: none)."""
+        best = (0, 0.0)
+        for k in range(1, limit + 1):
+            expected = 1 + self.first * (1 - self.later ** k) / (1 - self.later)  # the model's token + drafts kept
+            best = max(best, (k, expected / (1 + ROW_COST * k ** 0.5 + self.cost * k)), key=lambda kg: kg[1])
+        return best
+
+    def update(self, accepted: int, drafted: int) -> None:
+        """Learn from a step that kept ``accepted`` of ``drafted`` drafts."""
+        if not drafted:
+            return
+        if self.schedule in ("heuristic", "heuristic_transient"):
+            self.num_tokens = self.num_tokens + 2 if accepted == drafted else max(1, self.num_tokens - 1)
+        self.first += RATE * ((accepted > 0) - self.first)
+        for kept in [1] * (accepted - 1) + [0] * (0 < accepted < drafted):
+            self.later += RATE * (kept - self.later)
+        if self._best(drafted)[1] <= 1:  # drafting does not pay at present: pause, longer each time
+            self.wait, self.pause = self.pause, min(2 * self.pause, MAX_PAUSE)
+        else:
+            self.pause = 1
+
+    def finish(self) -> None:
+        """Called once generation ends."""
+
+
+class PromptLookup(Drafter):
     """Drafts the ``num_tokens`` tokens that followed the first earlier occurrence of the last n-gram.
 
     As transformers' ``PromptLookupCandidateGenerator``: n-grams from ``max_ngram`` tokens down
@@ -64,19 +129,20 @@ class PromptLookup:
 
     Example:
         >>> lookup = PromptLookup(num_tokens=3, max_ngram=2)
-        >>> lookup.draft(torch.tensor([[5, 6, 7, 8, 9, 5, 6]]), budget=10)[0].tolist()
+        >>> lookup.draft(torch.tensor([[5, 6, 7, 8, 9, 5, 6]]), limit=3)[0].tolist()
         [7, 8, 9]
     """
 
-    def __init__(self, num_tokens: int, max_ngram: int = 2, eos_ids=(), processors=(), vocab_size: int = 0):
-        self.num_tokens, self.max_ngram = num_tokens, max_ngram
+    def __init__(self, num_tokens: int, max_ngram: int = 2, eos_ids=(), processors=(), vocab_size: int = 0,
+                 schedule: str = "constant"):
+        super().__init__(num_tokens, schedule)
+        self.max_ngram = max_ngram
         self.eos_ids, self.processors, self.vocab_size = list(eos_ids), list(processors), vocab_size
 
-    def draft(self, input_ids: torch.Tensor, budget: int) -> tuple[torch.Tensor, None]:
-        """Up to ``min(num_tokens, budget)`` draft tokens (k,) after ``input_ids`` (1, L); no distribution."""
+    def draft(self, input_ids: torch.Tensor, limit: int, cache: Cache | None = None) -> tuple[torch.Tensor, None]:
+        """Up to ``limit`` draft tokens (k,) after ``input_ids`` (1, L); no distribution (``cache`` unused)."""
         sequence = input_ids[0]
         length = sequence.shape[0]
-        limit = min(self.num_tokens, budget)
         for n in range(min(self.max_ngram, length - 1), 0, -1):
             if limit <= 0:
                 break
@@ -104,43 +170,51 @@ class PromptLookup:
                 return drafts[:i + 1]
         return drafts
 
-    def update(self, accepted: int, drafted: int) -> None:
-        """Nothing to adapt."""
-
-    def finish(self) -> None:
-        """Nothing to keep."""
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts with a (smaller, or early-exit) model of the same vocabulary, one token at a time.
 
-    Its own cache keeps what it has seen: each draft feeds only the tokens it has not (the
-    cache is cropped to the prefix it shares with the sequence). It stops after
-    ``num_tokens``, at an EOS, or when its top probability falls below ``confidence_threshold``.
-    The ``"heuristic"`` schedules adapt ``num_tokens`` as transformers does: +2 after a step
-    that accepted every draft, -1 (at least 1) otherwise.
+    An assistant has its own cache of what it has seen: each draft feeds only the tokens it
+    has not (the cache is cropped to the prefix it shares with the sequence). An early exit
+    (``shared_layers``: its number of layers) reads and writes the model's own cache, whose
+    first layers hold exactly what it needs: no prefill of its own, and its writes are taken
+    back after drafting. Drafting stops after the tokens asked for, at an EOS, or when the
+    top probability falls below ``confidence_threshold``.
 
     Example:
         >>> drafter = ModelDrafter(small_model, processors=[], do_sample=False)      # doctest: +SKIP
-        >>> tokens, scores = drafter.draft(input_ids, budget=10)                      # doctest: +SKIP
+        >>> tokens, scores = drafter.draft(input_ids, limit=10)                      # doctest: +SKIP
     """
 
     def __init__(self, model, processors=(), do_sample: bool = False, eos_ids=(), num_tokens: int = 20,
-                 schedule: str = "constant", confidence_threshold: float | None = 0.4):
+                 schedule: str = "constant", confidence_threshold: float | None = 0.4, cost: float = 0.0,
+                 shared_layers: int | None = None):
+        super().__init__(num_tokens, schedule)
         self.model, self.processors, self.do_sample = model, list(processors), do_sample
-        self.eos_ids = list(eos_ids)
-        self.num_tokens, self.schedule, self.confidence_threshold = num_tokens, schedule, confidence_threshold
-        self.cache: Cache = create_cache("dynamic", config=model.config, batch_size=1, max_cache_len=0,
-                                         device=model.device, dtype=model.dtype)
+        self.eos_ids, self.confidence_threshold, self.cost = list(eos_ids), confidence_threshold, cost
+        self.shared_layers = shared_layers
+        self.cache: Cache | None = None if shared_layers else create_cache(
+            "dynamic", config=model.config, batch_size=1, max_cache_len=0, device=model.device, dtype=model.dtype)
 
-    def draft(self, input_ids: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens (k,) and the processed scores they were chosen from (k, V)."""
-        limit = min(int(self.num_tokens), budget)
+    def draft(self, input_ids: torch.Tensor, limit: int, cache: Cache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Up to ``limit`` draft tokens (k,) after ``input_ids`` (1, L), whose first L - 1 are in the model's
+        ``cache``, and the processed scores they were chosen from (k, V)."""
         if limit <= 0:
             return input_ids[0, :0], None
+        if self.shared_layers is None:
+            return self._draft(input_ids, limit, self.cache)
+        view = Cache(layers=cache.layers[: self.shared_layers])  # (the same layer objects)
+        restores = checkpoint(view, limit)
+        try:
+            return self._draft(input_ids, limit, view)
+        finally:
+            roll_back(view, restores or [None] * len(view.layers), input_ids.shape[1] - 1)
+
+    def _draft(self, input_ids: torch.Tensor, limit: int, cache: Cache):
         ids = input_ids.to(self.model.device)
-        seen = self._reusable(ids)
-        logits = self._forward(ids[:, seen:], seen)
+        seen = _reusable(cache, ids)
+        logits = self._forward(cache, ids[:, seen:], seen)
         tokens, scores = [], []
         for i in range(limit):
             step_scores = _processed(self.processors, ids, logits[:, -1].float())  # (1, V)
@@ -152,34 +226,30 @@ class ModelDrafter:
                 break
             if self.confidence_threshold and float(step_scores.softmax(-1)[0, token]) < self.confidence_threshold:
                 break
-            logits = self._forward(token[:, None], ids.shape[1] - 1)
+            logits = self._forward(cache, token[:, None], ids.shape[1] - 1)
         return torch.cat(tokens).to(input_ids.device), torch.cat(scores).to(input_ids.device)
 
-    def _reusable(self, ids: torch.Tensor) -> int:
-        """Crop the cache to the prefix it shares with ``ids`` (all but the last token at most); its length."""
-        cache = self.cache
-        keep = min(cache.common_prefix_length(ids), ids.shape[1] - 1) if cache.get_seq_length() else 0
-        if keep < cache.get_seq_length():
-            try:
-                cache.crop(keep)
-            except ValueError:  # e.g. a Mamba drafter's state: start again
-                cache.reset()
-                keep = 0
-        return keep
-
-    def _forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+    def _forward(self, cache: Cache, tokens: torch.Tensor, start: int) -> torch.Tensor:
         position = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        return self.model(tokens, past_key_values=self.cache, cache_position=position, position_ids=position[None],
+        return self.model(tokens, past_key_values=cache, cache_position=position, position_ids=position[None],
                           use_cache=True, logits_to_keep=1).logits  # (1, 1, V)
-
-    def update(self, accepted: int, drafted: int) -> None:
-        if self.schedule in ("heuristic", "heuristic_transient"):
-            self.num_tokens = self.num_tokens + 2 if accepted == drafted else max(1, self.num_tokens - 1)
 
     def finish(self) -> None:
         """The ``"heuristic"`` schedule carries the number of tokens over to the drafter's next call."""
         if self.schedule == "heuristic" and getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.num_assistant_tokens = self.num_tokens
+
+
+def _reusable(cache: Cache, ids: torch.Tensor) -> int:
+    """Crop ``cache`` to the prefix it shares with ``ids`` (all but the last token at most); its length."""
+    keep = min(cache.common_prefix_length(ids), ids.shape[1] - 1) if cache.get_seq_length() else 0
+    if keep < cache.get_seq_length():
+        try:
+            cache.crop(keep)
+        except ValueError:  # e.g. a Mamba drafter's state: start again
+            cache.reset()
+            keep = 0
+    return keep
 
 
 def early_exit_model(model: nn.Module, num_layers: int) -> nn.Module:
@@ -319,20 +389,27 @@ def make_drafter(model, config, assistant_model, input_ids: torch.Tensor, proces
     vocab = model.config.get("vocab_size")
     if config.prompt_lookup_num_tokens is not None:
         return PromptLookup(config.prompt_lookup_num_tokens, config.max_matching_ngram_size or 2, config.eos_ids(),
-                            processors, vocab)
+                            processors, vocab, config.num_assistant_tokens_schedule or "adaptive")
     if assistant_model is not None:
         if assistant_model.config.get("vocab_size") != vocab:
             raise ValueError(f"assistant_model has a vocabulary of {assistant_model.config.get('vocab_size')} tokens "
                              f"but the model has {vocab}: the assistant must share the model's tokenizer")
-        drafter_model = assistant_model
+        drafter_model, shared = assistant_model, None
     else:
-        drafter_model = early_exit_model(model, config.assistant_early_exit)
+        drafter_model, shared = early_exit_model(model, config.assistant_early_exit), config.assistant_early_exit
     own = getattr(drafter_model, "generation_config", None)
     settings = {name: next((v for v in (getattr(config, name), own and getattr(own, name, None)) if v is not None),
                            default) for name, default in ASSISTANT_DEFAULTS.items()}
     return ModelDrafter(drafter_model, processors, config.do_sample, config.eos_ids(),
                         settings["num_assistant_tokens"], settings["num_assistant_tokens_schedule"],
-                        settings["assistant_confidence_threshold"])
+                        settings["assistant_confidence_threshold"], _weight_bytes(drafter_model) / _weight_bytes(model),
+                        shared)
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights a forward pass reads (tied tensors once): what a decode step costs."""
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
+    return sum(tensors.values())
 
 
 def speculative_decode(model, drafter, input_ids, attention_mask, position_ids, cache: Cache, seen: int, config,
@@ -345,6 +422,7 @@ def speculative_decode(model, drafter, input_ids, attention_mask, position_ids, 
         streamer.put(input_ids.cpu())
     logits = model._prefill(input_ids, attention_mask, position_ids, cache, seen)  # (1, 1, V)
     step = model._decode_step(cache, config, 1)  # one token, no drafts (compiled for a static cache)
+    max_rows = MAX_ROWS if input_ids.device.type == "cpu" else None  # (rows that cost about one on CPU)
     eos = set(config.eos_ids())
     stats, scores_out, logits_out = SpeculationStats(), [], []
     raw = logits[0, -1:].float()  # (1, V)
@@ -364,8 +442,9 @@ def speculative_decode(model, drafter, input_ids, attention_mask, position_ids, 
         if eos & set(new.tolist()) or length >= max_length:
             break
         drafts, draft_scores = input_ids[0, :0], None
-        if _chunk_limit(cache) > 1:  # (else drafts cannot be checked together: plain decoding for this token)
-            drafts, draft_scores = drafter.draft(input_ids, max_length - length - 1)  # (k,), (k, V) or None
+        wanted = drafter.length(max_length - length - 1, max_rows) if _chunk_limit(cache) > 1 else 0
+        if wanted:  # (a cache that must take tokens one by one: plain decoding for this token)
+            drafts, draft_scores = drafter.draft(input_ids, wanted, cache)  # (k,), (k, V) or None
         k = drafts.shape[0]
         restores = None
         if k == 0:
