@@ -169,7 +169,8 @@ def main(argv=None) -> None:
         "prefill": args.prefill, "chunk": args.chunk, "threads": args.threads, "torch": torch.__version__,
         "results": {**earlier, **rows}, "kivi_memory_4096_tokens_fp16": memory,
         "notes": "ratio_vs_fp16_dense: the cache's allocated bytes (codes, scales, zero points, residual "
-                 "buffers; float32 residual for this float32 model) over a float16 dense cache of the same "
+                 "buffers: 16-bit for kivi, float32 for quanto and hqq in this float32 model) over a float16 "
+                 "dense cache of the same "
                  "tokens. workspace_bytes: the scratch shared by all layers (one layer's dequantized keys and "
                  "values), not included.",
     }

@@ -152,7 +152,7 @@ def run_beams(model, cache_kwargs, ids, mask=None, **settings):
     return model.generate(ids, attention_mask=mask, **cache_kwargs, **settings)
 
 
-LOSSLESS = {
+LOSSLESS = {  # every token kept as computed (or, for kivi's residual, at 16 bits)
     "static": {"cache_implementation": "static"},
     "offloaded": {"cache_implementation": "offloaded"},
     "offloaded_static": {"cache_implementation": "offloaded_static"},
@@ -170,7 +170,10 @@ def test_lossless_caches_give_the_dynamic_result(llama, name):
     expected = run_beams(ours, {}, ids, mask)
     got = run_beams(ours, kwargs, ids, mask)
     assert got.sequences.tolist() == expected.sequences.tolist()
-    torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=1e-5, rtol=0)
+    # (kivi keeps its unquantized tokens at 16 bits, as its scales: keys/values within float16 rounding, so
+    # summed log-probabilities within 1e-4; the other caches hold the float32 values themselves)
+    atol = 1e-4 if name == "quantized-in-residual" else 1e-5
+    torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, atol=atol, rtol=0)
 
 
 @pytest.fixture(scope="module")

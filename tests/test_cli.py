@@ -308,7 +308,9 @@ def test_generate_with_drafts_prints_plain_greedy_text_and_the_acceptance_rate(d
     stats, drafts = stats.split(" drafted=")
     assert parse_stats(stats)[2] == new
     drafted, rate = re.fullmatch(r"(\d+) acceptance_rate=(\d\.\d\d)", drafts).groups()
-    assert int(drafted) > 0 and 0 < float(rate) <= 1
+    assert int(drafted) > 0 and 0 <= float(rate) <= 1
+    if drafting[0] == "--lookup":  # the prompt repeats itself: lookup drafts are right at times
+        assert float(rate) > 0
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -308,10 +308,12 @@ def test_sigterm_drains_running_requests_then_exits(small):
         results[i] = (chunks[-1].usage.completion_tokens, [c.choices[0].finish_reason for c in chunks if c.choices][-1])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    while small.metrics()["kvgen_requests_waiting"] < 1:
-        time.sleep(0.01)
+    for t, metric in zip(threads, ("kvgen_requests_running", "kvgen_requests_waiting")):
+        t.start()  # one after the other: the queue holds one request, two at once could meet a 429
+        deadline = time.monotonic() + 30
+        while small.metrics()[metric] < 1:
+            assert time.monotonic() < deadline, f"{metric} never reached 1"
+            time.sleep(0.05)
     small.process.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)

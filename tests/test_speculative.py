@@ -118,6 +118,22 @@ def test_greedy_drafts_give_plain_greedy_tokens_and_cache(name, cache_name):
     assert accepted > 0 and rejected > 0  # both the keeping and the dropping of drafts ran
 
 
+def test_compiled_static_cache(monkeypatch):
+    """Steps without drafts take the compiled static decode step; verifying passes run the model eagerly."""
+    monkeypatch.delenv("KVGEN_DISABLE_COMPILE")
+    model = model_named("llama")
+
+    def static():
+        return create_cache("static", config=model.config, batch_size=1, max_cache_len=64, device="cpu",
+                            dtype=torch.float32)
+
+    plain = model.generate(PROMPT, max_new_tokens=30, past_key_values=static(), do_sample=False)
+    out = model.generate(PROMPT, max_new_tokens=30, past_key_values=static(), do_sample=False,
+                         prompt_lookup_num_tokens=3, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert 0 < out.speculation.drafted and out.speculation.steps < 29 + out.speculation.drafted
+
+
 def test_sink_cache_stops_drafting_once_its_window_is_full():
     """Each token shifts a full sink window, so drafts cannot be checked together: decoding goes on plainly."""
     model = model_named("llama")

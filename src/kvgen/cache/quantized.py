@@ -28,7 +28,7 @@ import torch
 
 from kvgen.cache.base import Cache, CacheLayer, check_next_positions, config_value, text_config
 from kvgen.cache.dynamic import DynamicSlidingWindowLayer
-from kvgen.cache.quantizers import HQQBackend, KiviStore, LibraryStore, QuantoBackend
+from kvgen.cache.quantizers import HQQBackend, KiviStore, LibraryStore, QuantoBackend, scale_dtype
 from kvgen.cache.registry import register_cache
 
 #: backend -> (allowed nbits, allowed axis values, what an axis means there)
@@ -226,7 +226,10 @@ class QuantizedLayer(CacheLayer):
     ``residual_length`` and ``residual_length + block - 1`` of the newest tokens once that
     many were seen. Each time the residual reaches ``residual_length + block``, its oldest
     whole blocks are quantized. ``update`` returns ``[sinks | dequantized | residual]``:
-    slot ``i`` holds position ``i``.
+    slot ``i`` holds position ``i``. With the ``kivi`` backend that buffer is 16-bit for a
+    float32 model (as its scales are: float32 would be a third of the cache at 4 bits; the
+    perplexity is unchanged, see ``benchmarks/README.md``); keys and values come back in the
+    model's dtype.
 
     Example:
         >>> import torch
@@ -237,6 +240,10 @@ class QuantizedLayer(CacheLayer):
         >>> layer.quantized_length, layer.residual_length_now, tuple(keys.shape)
         (16, 20, (1, 2, 40, 16))
     """
+
+    #: dtype of the keys and values ``update`` returns: the model's (``None``: the exact buffer's, in caches saved
+    #: before the buffer could be narrower)
+    compute_dtype: torch.dtype | None = None
 
     def __init__(self, config: QuantizedCacheConfig | dict | None = None, workspace: Workspace | None = None,
                  stores=None):
@@ -286,8 +293,10 @@ class QuantizedLayer(CacheLayer):
         b, h, t, _ = key.shape
         if self._rk is None:
             capacity = self.sinks + self.config.residual_length + self.block
-            self._rk = key.new_empty(b, h, capacity, key.shape[3])
-            self._rv = value.new_empty(b, h, capacity, value.shape[3])
+            self.compute_dtype = key.dtype
+            exact = scale_dtype(key.dtype) if self.config.backend == "kivi" else key.dtype
+            self._rk = key.new_empty(b, h, capacity, key.shape[3], dtype=exact)
+            self._rv = value.new_empty(b, h, capacity, value.shape[3], dtype=exact)
         elif (b, h) != tuple(self._rk.shape[:2]):
             raise ValueError(
                 f"new keys have batch {b} and {h} heads but the cache holds batch {self._rk.shape[0]} with "
@@ -326,7 +335,8 @@ class QuantizedLayer(CacheLayer):
         """
         ns, nq, nr = self._n_sink, self._kq.length, self._n_res
         if nq == 0:  # the sinks are full whenever the residual holds anything: one contiguous view
-            return self._rk[:, :, :ns + nr], self._rv[:, :, :ns + nr]
+            dtype = self.compute_dtype or self._rk.dtype
+            return self._rk[:, :, :ns + nr].to(dtype), self._rv[:, :, :ns + nr].to(dtype)
         if workspace is None:
             full_k, full_v, run = self._prepare(None, nq + nr)
         else:
@@ -347,7 +357,8 @@ class QuantizedLayer(CacheLayer):
         s, nq, steps, out = self.sinks, self._kq.length, [], []
         for store, buf, name in ((self._kq, self._rk, "keys"), (self._vq, self._rv, "values")):
             shape = (buf.shape[0], buf.shape[1], s + tokens, buf.shape[3])
-            full = workspace(name, shape, buf.dtype, buf.device) if workspace else buf.new_empty(shape)
+            dtype = self.compute_dtype or buf.dtype
+            full = workspace(name, shape, dtype, buf.device) if workspace else buf.new_empty(shape, dtype=dtype)
             steps.append((full[:, :, :s], buf[:, :, :s]))
             steps.append(store.dequantizer(full[:, :, s:s + nq], workspace))
             out.append(full)

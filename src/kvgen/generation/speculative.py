@@ -5,10 +5,13 @@ The drafters of transformers' ``generate()``:
 * :class:`PromptLookup` (``prompt_lookup_num_tokens``): the tokens that followed an earlier
   occurrence of the sequence's last n-gram;
 * :class:`ModelDrafter` over ``assistant_model``: a smaller model of the same vocabulary, with its own cache;
-* :class:`ModelDrafter` over :func:`early_exit_model` (``assistant_early_exit``): the model's first layers.
+* :class:`ModelDrafter` over :func:`early_exit_model` (``assistant_early_exit``): the model's
+  first layers, on the model's own cache.
 
 Each step feeds the last token and the ``k`` drafts at once. A decode step on CPU is bound
 by reading the weights, so ``k + 1`` rows (at most 8 take the compiled path) cost about one.
+How many to draft is the drafter's schedule (:class:`Drafter`): kvgen's ``"adaptive"`` by
+default, which stops drafting where drafts do not pay.
 Greedy decoding keeps drafts while they are the argmax, so it gives plain greedy decoding's
 tokens. Sampling keeps them by speculative sampling (Leviathan et al. 2023, algorithm 1)
 when the drafter has a distribution, else while they equal the tokens drawn from the
@@ -51,7 +54,7 @@ class SpeculationStats:
 
     drafted: int = 0  # draft tokens verified
     accepted: int = 0  # of those, kept
-    steps: int = 0  # verifying forward passes
+    steps: int = 0  # decode steps (one forward pass of the model each, with or without drafts)
 
     @property
     def acceptance_rate(self) -> float:
