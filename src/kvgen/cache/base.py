@@ -238,6 +238,27 @@ class Cache:
         same = (known[:, :n] == input_ids[:, :n].to(known.device)).all(dim=0)  # (n,)
         return int(same.long().cumprod(0).sum())
 
+    def keep_common_prefix(self, input_ids: torch.Tensor) -> int:
+        """Crop to the leading tokens held that ``input_ids`` (B, L) starts with, at most ``L - 1`` (so the last
+        one is fed again, for its logits); return how many are kept.
+
+        A cache that cannot go back that far (a wrapped ring buffer, a Mamba state) is reset
+        (0 kept). Raises when it holds more tokens than ``input_ids`` without knowing which.
+        """
+        seen, length = self.get_seq_length(), input_ids.shape[1]
+        common = self.common_prefix_length(input_ids) if seen else 0
+        if common > length:  # (token ids unknown: all of them count as shared)
+            raise ValueError(f"the cache holds {seen} tokens but input_ids has only {length}: pass the whole "
+                             "sequence (the cached prefix followed by the new tokens)")
+        keep = min(common, length - 1)
+        if keep < seen:
+            try:
+                self.crop(keep)
+            except ValueError:  # e.g. a ring buffer that wrapped, a Mamba state: refill it
+                self.reset()
+                keep = 0
+        return keep
+
     # -- sizes -------------------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Length of the sequence seen so far (the next token's ``cache_position``)."""

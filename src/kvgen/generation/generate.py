@@ -17,7 +17,7 @@ from kvgen.cache.dynamic import as_cache
 from kvgen.cache.fingerprint import check_cache_model
 from kvgen.cache.registry import create_cache
 from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
-from kvgen.generation.logits import build_processors
+from kvgen.generation.logits import apply_processors, build_processors
 from kvgen.generation.search import BeamSearch, choose_next_tokens
 from kvgen.generation.speculative import make_drafter, speculative_decode
 from kvgen.models.decode_blocks import blocks_compiled, eager_blocks
@@ -38,27 +38,7 @@ def _reusable_prefix(cache: Cache, input_ids: torch.Tensor, max_length: int) -> 
     At least the last prompt token is always fed again, to get its logits.
     """
     prompt_length = input_ids.shape[1]
-    seen = cache.get_seq_length()
-    common = cache.common_prefix_length(input_ids) if seen else 0
-    if common < seen:
-        try:
-            cache.crop(common)
-        except ValueError:  # e.g. a ring buffer that has wrapped cannot go back that far: refill it
-            cache.reset()
-            common = 0
-        seen = common
-    if seen > prompt_length:
-        raise ValueError(
-            f"the cache holds {seen} tokens but input_ids has only {prompt_length}: pass the whole "
-            "sequence (the cached prefix followed by the new tokens)"
-        )
-    if seen == prompt_length:
-        try:
-            cache.crop(prompt_length - 1)
-            seen = prompt_length - 1
-        except ValueError:  # e.g. a Mamba state cannot go back a token: refill it
-            cache.reset()
-            seen = 0
+    seen = cache.keep_common_prefix(input_ids)
     capacity = cache.get_max_cache_shape()
     if capacity is not None and cache.is_compileable and max_length > capacity:
         raise ValueError(
@@ -136,10 +116,10 @@ class GenerationMixin:
                     config, max_length, streamer, processors)
             elif beams:
                 sequences, scores, logits, search = self._beam_decode(input_ids, attention_mask, cache, seen, config,
-                                                                      max_length)
+                                                                      max_length, processors)
             else:
                 sequences, scores, logits = self._decode(input_ids, attention_mask, cache, seen, config, max_length,
-                                                         streamer)
+                                                         streamer, processors)
         if not config.return_dict_in_generate:
             return sequences
         if cache is not None and (config.return_legacy_cache or legacy_in):
@@ -211,10 +191,8 @@ class GenerationMixin:
         return max_length
 
     def _decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int,
-                streamer):
+                streamer, processors):
         """Prefill the unseen tokens, then choose and feed one token per step until EOS or ``max_length``."""
-        prompt_length = input_ids.shape[1]
-        processors = build_processors(config, prompt_length)
         position_ids = _positions_from_mask(attention_mask)
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -228,9 +206,7 @@ class GenerationMixin:
         step = self._decode_step(cache, config, batch)
         while True:
             raw = logits[:, -1, :].float()
-            scores = raw
-            for processor in processors:
-                scores = processor(input_ids, scores)
+            scores = apply_processors(processors, input_ids, raw)
             if config.output_scores:
                 scores_out.append(scores)
             if config.output_logits:
@@ -264,7 +240,8 @@ class GenerationMixin:
                     past_key_values=cache, cache_position=torch.arange(seen, input_ids.shape[1], device=input_ids.device),
                     use_cache=True, logits_to_keep=1).logits
 
-    def _beam_decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int):
+    def _beam_decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int,
+                     processors):
         """Beam search: the prompt is prefilled once per item, then its cache is repeated for the beams.
 
         Every step ranks the beams' continuations (:class:`BeamSearch`) and reorders the cache rows
@@ -277,7 +254,6 @@ class GenerationMixin:
                             num_beam_groups=config.num_beam_groups, diversity_penalty=config.diversity_penalty,
                             length_penalty=config.length_penalty, early_stopping=config.early_stopping,
                             do_sample=config.do_sample)
-        processors = build_processors(config, prompt_length)
         position_ids = _positions_from_mask(attention_mask)
         logits = self._prefill(input_ids, attention_mask, position_ids, cache, seen)
         logits, input_ids, attention_mask, position_ids = _repeat_rows(n, cache, logits, input_ids, attention_mask,
@@ -286,9 +262,7 @@ class GenerationMixin:
         scores_out, logits_out = [], []
         while True:
             raw = logits[:, -1, :].float()
-            log_probs = torch.log_softmax(raw, dim=-1)
-            for processor in processors:
-                log_probs = processor(input_ids, log_probs)
+            log_probs = apply_processors(processors, input_ids, torch.log_softmax(raw, dim=-1))
             rows, next_tokens = search.step(input_ids, log_probs)
             if config.output_scores:
                 scores_out.append(search.processed_scores)

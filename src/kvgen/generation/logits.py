@@ -71,6 +71,13 @@ def top_p(p: float, min_tokens_to_keep: int = 1) -> Processor:
     return apply
 
 
+def apply_processors(processors: list[Processor], input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` (B, V) after each processor in turn, given the sequences so far ``input_ids`` (B, L)."""
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    return scores
+
+
 def build_processors(config, prompt_length: int) -> list[Processor]:
     """The processors ``config`` asks for, in the order transformers applies them."""
     processors: list[Processor] = []

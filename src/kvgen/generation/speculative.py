@@ -33,6 +33,7 @@ from torch import nn
 
 from kvgen.cache.base import Cache
 from kvgen.cache.registry import create_cache
+from kvgen.generation.logits import apply_processors
 from kvgen.generation.search import choose_next_tokens
 from kvgen.models.decode_blocks import MAX_ROWS
 
@@ -59,12 +60,6 @@ class SpeculationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
-
-
-def _processed(processors, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    for processor in processors:
-        scores = processor(input_ids, scores)
-    return scores
 
 
 class Drafter:
@@ -146,9 +141,9 @@ class PromptLookup(Drafter):
         """Up to ``limit`` draft tokens (k,) after ``input_ids`` (1, L); no distribution (``cache`` unused)."""
         sequence = input_ids[0]
         length = sequence.shape[0]
+        if limit <= 0:
+            return sequence[:0], None
         for n in range(min(self.max_ngram, length - 1), 0, -1):
-            if limit <= 0:
-                break
             windows = sequence.unfold(0, n, 1)  # (L - n + 1, n)
             starts = (windows == sequence[-n:]).all(dim=1).nonzero().flatten() + n
             for start in starts.tolist():
@@ -164,7 +159,7 @@ class PromptLookup(Drafter):
         if self.processors:
             ones = torch.ones(1, self.vocab_size, dtype=torch.float32, device=drafts.device)
             for i, token in enumerate(drafts.tolist()):
-                scores = _processed(self.processors, torch.cat([input_ids, drafts[None, :i]], dim=1), ones)
+                scores = apply_processors(self.processors, torch.cat([input_ids, drafts[None, :i]], dim=1), ones)
                 if scores[0, token] == -float("inf"):
                     drafts = drafts[:i]
                     break
@@ -172,7 +167,6 @@ class PromptLookup(Drafter):
             if token in self.eos_ids:
                 return drafts[:i + 1]
         return drafts
-
 
 
 class ModelDrafter(Drafter):
@@ -187,7 +181,7 @@ class ModelDrafter(Drafter):
 
     Example:
         >>> drafter = ModelDrafter(small_model, processors=[], do_sample=False)      # doctest: +SKIP
-        >>> tokens, scores = drafter.draft(input_ids, limit=10)                      # doctest: +SKIP
+        >>> tokens, scores = drafter.draft(input_ids, 10, cache)  # cache: the model's  # doctest: +SKIP
     """
 
     def __init__(self, model, processors=(), do_sample: bool = False, eos_ids=(), num_tokens: int = 20,
@@ -216,11 +210,11 @@ class ModelDrafter(Drafter):
 
     def _draft(self, input_ids: torch.Tensor, limit: int, cache: Cache):
         ids = input_ids.to(self.model.device)
-        seen = _reusable(cache, ids)
+        seen = cache.keep_common_prefix(ids)
         logits = self._forward(cache, ids[:, seen:], seen)
         tokens, scores = [], []
         for i in range(limit):
-            step_scores = _processed(self.processors, ids, logits[:, -1].float())  # (1, V)
+            step_scores = apply_processors(self.processors, ids, logits[:, -1].float())  # (1, V)
             token = choose_next_tokens(step_scores, self.do_sample)  # (1,)
             tokens.append(token)
             scores.append(step_scores)
@@ -241,18 +235,6 @@ class ModelDrafter(Drafter):
         """The ``"heuristic"`` schedule carries the number of tokens over to the drafter's next call."""
         if self.schedule == "heuristic" and getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.num_assistant_tokens = self.num_tokens
-
-
-def _reusable(cache: Cache, ids: torch.Tensor) -> int:
-    """Crop ``cache`` to the prefix it shares with ``ids`` (all but the last token at most); its length."""
-    keep = min(cache.common_prefix_length(ids), ids.shape[1] - 1) if cache.get_seq_length() else 0
-    if keep < cache.get_seq_length():
-        try:
-            cache.crop(keep)
-        except ValueError:  # e.g. a Mamba drafter's state: start again
-            cache.reset()
-            keep = 0
-    return keep
 
 
 def early_exit_model(model: nn.Module, num_layers: int) -> nn.Module:
@@ -429,7 +411,7 @@ def speculative_decode(model, drafter, input_ids, attention_mask, position_ids, 
     eos = set(config.eos_ids())
     stats, scores_out, logits_out = SpeculationStats(), [], []
     raw = logits[0, -1:].float()  # (1, V)
-    scores = _processed(processors, input_ids, raw)
+    scores = apply_processors(processors, input_ids, raw)
     new = choose_next_tokens(scores, config.do_sample)  # (1,): the first token, from the prompt's logits
     while True:
         m = new.shape[0]
@@ -459,7 +441,8 @@ def speculative_decode(model, drafter, input_ids, attention_mask, position_ids, 
         scores = raw
         if processors:
             candidates = torch.cat([input_ids, drafts[None]], dim=1)
-            scores = torch.cat([_processed(processors, candidates[:, :length + i], raw[i:i + 1]) for i in range(k + 1)])
+            scores = torch.cat([apply_processors(processors, candidates[:, :length + i], raw[i:i + 1])
+                                for i in range(k + 1)])
         new = accept(scores, drafts, draft_scores, config.do_sample)
         stop = next((i + 1 for i, token in enumerate(new.tolist()) if token in eos), new.shape[0])
         new = new[:stop]  # nothing after an EOS
