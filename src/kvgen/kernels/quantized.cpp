@@ -33,6 +33,13 @@ typedef uint32_t vu __attribute__((vector_size(64)));
 typedef uint8_t vb __attribute__((vector_size(16)));
 typedef int8_t vsb __attribute__((vector_size(16)));
 typedef uint16_t vh __attribute__((vector_size(32)));
+// the native vector (one register): a vf is DC of them
+#if defined(__AVX512F__)
+typedef float vn __attribute__((vector_size(64)));
+#else
+typedef float vn __attribute__((vector_size(32)));
+#endif
+constexpr int64_t LN = sizeof(vn) / sizeof(float), DC = 16 / LN;
 
 // an empty asm the value must pass through: the compiler cannot fuse a product into a later sum
 inline vf round(vf x) {
@@ -58,9 +65,38 @@ inline vf loadf(const float* p) {
   std::memcpy(&v, p, 64);
   return v;
 }
+#if defined(__AVX512F__)
 inline vi toi(vb v) { return __builtin_convertvector(v, vi); }
 inline vf tof(vb v) { return __builtin_convertvector(toi(v), vf); }  // via int32: direct is scalarised
 inline vf tof(vsb v) { return __builtin_convertvector(toi((vb)v ^ 0x80) - 128, vf); }  // int8 via uint8: direct is scalarised
+#else  // AVX2: GCC scalarises 16-lane conversions; widen each 8-byte half with one instruction
+inline vi toi(vb v) {
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m256i h[2] = {_mm256_cvtepu8_epi32(b), _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b))};
+  vi r;
+  std::memcpy(&r, h, 64);
+  return r;
+}
+inline vf tof(vb v) {
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b)))};
+  vf r;
+  std::memcpy(&r, h, 64);
+  return r;
+}
+inline vf tof(vsb v) {
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)))};
+  vf r;
+  std::memcpy(&r, h, 64);
+  return r;
+}
+#endif
 inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -302,7 +338,7 @@ void matmul_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* 
   const int64_t nb = K / QK, ngroups = K / T::GROUP;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
-    vf acc[R] = {};
+    vn acc[R][DC] = {};  // native registers: GCC spills a 16-lane accumulator through memory on AVX2
     float macc[R] = {};
     for (int64_t b = 0; b < nb; ++b) {
       const float* xb = x + b * QK;
@@ -311,15 +347,20 @@ void matmul_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* 
           const float* xr = xb + r * ldx + 16 * run;
           vf t = q[0] * loadf(xr);
           for (int i = 1; i < count; ++i) t += q[i] * loadf(xr + 16 * i);  // fused multiply-add
-          if constexpr (T::SCALED) acc[r] += splat(d) * t;
-          else acc[r] += t;
+          vn th[DC];
+          std::memcpy(th, &t, 64);
+          for (int c = 0; c < DC; ++c) {
+            if constexpr (T::SCALED) acc[r][c] += d * th[c];
+            else acc[r][c] += th[c];
+          }
           if constexpr (T::HAS_MIN) macc[r] += m * xsum[r * ngroups + (b * QK + 16 * run) / T::GROUP];
         }
       });
     }
     for (int r = 0; r < R; ++r) {
       float s = macc[r];
-      for (int j = 0; j < 16; ++j) s += acc[r][j];
+      for (int c = 0; c < DC; ++c)
+        for (int j = 0; j < LN; ++j) s += acc[r][c][j];
       if constexpr (has_row_scale<T>()) s = s * f32(wr + K);
       y[r * ldy + n] = s;
     }
@@ -535,13 +576,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 constexpr int64_t TILE = 16;
 
-// the native vector: query rows in its lanes (LN of them), value columns in 16-float chunks
-#if defined(__AVX512F__)
-typedef float vn __attribute__((vector_size(64)));
-#else
-typedef float vn __attribute__((vector_size(32)));
-#endif
-constexpr int64_t LN = sizeof(vn) / sizeof(float), DC = 16 / LN;
 
 template <class V> inline V vload(const float* p) {
   V v;
