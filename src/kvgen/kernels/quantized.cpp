@@ -45,11 +45,17 @@ constexpr int64_t LN = sizeof(vn) / sizeof(float), DC = 16 / LN;
 inline vf round(vf x) {
 #if defined(__AVX512F__)
   asm("" : "+v"(x));
-#else  // 16 lanes span two registers (AVX2) or more: pass each 32-byte half (no "v" register holds 64 bytes)
+#elif defined(__AVX__)  // 16 lanes span two registers: pass each 32-byte half (no "v" register holds 64 bytes)
   typedef float half __attribute__((vector_size(32)));
   half h[2];
   std::memcpy(h, &x, 64);
   asm("" : "+x"(h[0]), "+x"(h[1]));
+  std::memcpy(&x, h, 64);
+#else  // SSE: four 16-byte quarters
+  typedef float quarter __attribute__((vector_size(16)));
+  quarter h[4];
+  std::memcpy(h, &x, 64);
+  asm("" : "+x"(h[0]), "+x"(h[1]), "+x"(h[2]), "+x"(h[3]));
   std::memcpy(&x, h, 64);
 #endif
   return x;
@@ -65,7 +71,7 @@ inline vf loadf(const float* p) {
   std::memcpy(&v, p, 64);
   return v;
 }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || !defined(__AVX2__)
 inline vi toi(vb v) { return __builtin_convertvector(v, vi); }
 inline vf tof(vb v) { return __builtin_convertvector(toi(v), vf); }  // via int32: direct is scalarised
 inline vf tof(vsb v) { return __builtin_convertvector(toi((vb)v ^ 0x80) - 128, vf); }  // int8 via uint8: direct is scalarised
@@ -112,11 +118,12 @@ const vi LANE = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 // Each format: QK values per block, BYTES per block, GROUP values per scale, and
 // decode(block, emit) calling emit(run, q, n, d, m) for each group: n vectors of 16 values from
 // value 16 * run on, worth q * d + m (m only where HAS_MIN; d is 1 where not SCALED). q holds
-// small integers, so the products and sums below are those of gguf's numpy code.
+// small integers, so the products and sums below are those of gguf's numpy code. F16_HEAD: a
+// block of 32 that begins with its float16 d (and m), which matmul_rows converts 16 blocks at a time.
 
 struct Q4_0 {
   static constexpr int QK = 32, BYTES = 18, GROUP = 32;
-  static constexpr bool SCALED = true, HAS_MIN = false;
+  static constexpr bool SCALED = true, HAS_MIN = false, F16_HEAD = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
     const vb q = load16(b + 2);
     const vf v[2] = {tof(q & 0x0F) - 8.0f, tof(q >> 4) - 8.0f};
@@ -126,7 +133,7 @@ struct Q4_0 {
 
 struct Q4_1 {
   static constexpr int QK = 32, BYTES = 20, GROUP = 32;
-  static constexpr bool SCALED = true, HAS_MIN = true;
+  static constexpr bool SCALED = true, HAS_MIN = true, F16_HEAD = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
     const vb q = load16(b + 4);
     const vf v[2] = {tof(q & 0x0F), tof(q >> 4)};
@@ -147,7 +154,7 @@ inline void q5_values(const uint8_t* qh_bytes, const uint8_t* qs, vf* v) {
 
 struct Q5_0 {
   static constexpr int QK = 32, BYTES = 22, GROUP = 32;
-  static constexpr bool SCALED = true, HAS_MIN = false;
+  static constexpr bool SCALED = true, HAS_MIN = false, F16_HEAD = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
     vf v[2];
     q5_values(b + 2, b + 6, v);
@@ -159,7 +166,7 @@ struct Q5_0 {
 
 struct Q5_1 {
   static constexpr int QK = 32, BYTES = 24, GROUP = 32;
-  static constexpr bool SCALED = true, HAS_MIN = true;
+  static constexpr bool SCALED = true, HAS_MIN = true, F16_HEAD = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
     vf v[2];
     q5_values(b + 4, b + 8, v);
@@ -169,7 +176,7 @@ struct Q5_1 {
 
 struct Q8_0 {
   static constexpr int QK = 32, BYTES = 34, GROUP = 32;
-  static constexpr bool SCALED = true, HAS_MIN = false;
+  static constexpr bool SCALED = true, HAS_MIN = false, F16_HEAD = true;
   template <class E> static void decode(const uint8_t* b, E&& emit) {
     const vf v[2] = {tof((vsb)load16(b + 2)), tof((vsb)load16(b + 18))};
     emit(0, v, 2, f16(b), 0.0f);
@@ -302,6 +309,12 @@ struct I8 {
 };
 
 template <class T>
+constexpr bool f16_head() {
+  if constexpr (requires { T::F16_HEAD; }) return T::F16_HEAD;
+  return false;
+}
+
+template <class T>
 constexpr bool has_row_scale() { return false; }
 template <>
 constexpr bool has_row_scale<I8>() { return true; }
@@ -329,77 +342,159 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
   }
 }
 
+inline float hsum(const vn* a) {  // the sum of DC native vectors' lanes
+  vn s = a[0];
+  for (int c = 1; c < DC; ++c) s += a[c];
+#if defined(__AVX512F__)
+  __m512 v;
+  std::memcpy(&v, &s, 64);
+  return _mm512_reduce_add_ps(v);
+#elif defined(__AVX__)
+  __m256 v;
+  std::memcpy(&v, &s, 32);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#else
+  float t = 0.0f;
+  for (int j = 0; j < LN; ++j) t += s[j];
+  return t;
+#endif
+}
+
+// d and m of `count` (<= 16) F16_HEAD blocks `stride` bytes apart: each block's first 4 bytes are
+// float16 d, then float16 m (Q4_1, Q5_1) or its first values (m unused); lanes past count are 0
+inline void f16_heads(const uint8_t* b, int count, int stride, float* d, float* m) {
+#if defined(__AVX512F__)
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(stride));
+  const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << count) - 1), idx, b, 1);
+  _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+  _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), low = _mm256_set1_epi32(0xFFFF);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(count - 8 * h), lane);
+    const __m256i idx = _mm256_mullo_epi32(_mm256_add_epi32(lane, _mm256_set1_epi32(8 * h)), _mm256_set1_epi32(stride));
+    const __m256i v = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), reinterpret_cast<const int*>(b), idx, mask, 1);
+    const __m256i dv = _mm256_and_si256(v, low), mv = _mm256_srli_epi32(v, 16);
+    _mm256_storeu_ps(d + 8 * h, _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(dv), _mm256_extracti128_si256(dv, 1))));
+    _mm256_storeu_ps(m + 8 * h, _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(mv), _mm256_extracti128_si256(mv, 1))));
+  }
+#else
+  for (int j = 0; j < 16; ++j) {
+    d[j] = j < count ? f16(b + j * stride) : 0.0f;
+    m[j] = j < count ? f16(b + j * stride + 2) : 0.0f;
+  }
+#endif
+}
+
 // y[r, n] = sum_k x[r, k] * w[n, k] for R rows of x (R <= 8), rows n0..n1 of w. Per group:
-// d * sum(q * x) + m * sum(x), with sum(x) over each group precomputed in xsum (R, K / GROUP).
+// d * sum(q * x) + m * sum(x), with sum(x) over each group precomputed in xsum (R rows of xld,
+// zero past K / GROUP). F16_HEAD formats gather and convert the scales of 16 blocks at once
+// before their values (one at a time they cost half the loop's vector instructions), and add
+// the m * sum(x) terms as vectors.
 template <class T, int R>
-void matmul_rows(const float* x, int64_t ldx, const float* xsum, const uint8_t* w, int64_t row_bytes, int64_t n0,
-                 int64_t n1, int64_t K, float* y, int64_t ldy) {
+void matmul_rows(const float* x, int64_t ldx, const float* xsum, int64_t xld, const uint8_t* w, int64_t row_bytes,
+                 int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
   constexpr int QK = T::QK;
-  const int64_t nb = K / QK, ngroups = K / T::GROUP;
+  const int64_t nb = K / QK;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
     vn acc[R][DC] = {};  // native registers: GCC spills a 16-lane accumulator through memory on AVX2
-    float macc[R] = {};
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + b * QK;
-      T::decode(wr + b * T::BYTES, [&](int run, const vf* q, int count, float d, float m) {
-        for (int r = 0; r < R; ++r) {
-          const float* xr = xb + r * ldx + 16 * run;
-          vf t = q[0] * loadf(xr);
-          for (int i = 1; i < count; ++i) t += q[i] * loadf(xr + 16 * i);  // fused multiply-add
-          vn th[DC];
-          std::memcpy(th, &t, 64);
-          for (int c = 0; c < DC; ++c) {
-            if constexpr (T::SCALED) acc[r][c] += d * th[c];
-            else acc[r][c] += th[c];
-          }
-          if constexpr (T::HAS_MIN) macc[r] += m * xsum[r * ngroups + (b * QK + 16 * run) / T::GROUP];
+    auto add = [&](int r, const vf& t, float d) {
+      vn th[DC];
+      std::memcpy(th, &t, 64);
+      for (int c = 0; c < DC; ++c) {
+        if constexpr (T::SCALED) acc[r][c] += d * th[c];
+        else acc[r][c] += th[c];
+      }
+    };
+    auto dot = [&](const float* xb, int run, const vf* q, int count, auto&& then) {
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xb + r * ldx + 16 * run;
+        vf t = q[0] * loadf(xr);
+        for (int i = 1; i < count; ++i) t += q[i] * loadf(xr + 16 * i);  // fused multiply-add
+        then(r, t);
+      }
+    };
+    float s[R] = {};
+    if constexpr (f16_head<T>()) {
+      vn macc[R][DC] = {};
+      for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+        const int count = (int)std::min<int64_t>(16, nb - b0);
+        float d[16], m[16];
+        f16_heads(wr + b0 * T::BYTES, count, T::BYTES, d, m);
+        for (int j = 0; j < count; ++j)
+          T::decode(wr + (b0 + j) * T::BYTES, [&](int run, const vf* q, int runs, float, float) {
+            dot(x + (b0 + j) * QK, run, q, runs, [&](int r, const vf& t) { add(r, t, d[j]); });
+          });
+        if constexpr (T::HAS_MIN) {
+          for (int r = 0; r < R; ++r)
+            for (int c = 0; c < DC; ++c) {
+              vn mv, xv;
+              std::memcpy(&mv, m + c * LN, sizeof(vn));
+              std::memcpy(&xv, xsum + r * xld + b0 + c * LN, sizeof(vn));
+              macc[r][c] += mv * xv;
+            }
         }
-      });
+      }
+      if constexpr (T::HAS_MIN)
+        for (int r = 0; r < R; ++r) s[r] = hsum(macc[r]);
+    } else {
+      for (int64_t b = 0; b < nb; ++b)
+        T::decode(wr + b * T::BYTES, [&](int run, const vf* q, int count, float d, float m) {
+          dot(x + b * QK, run, q, count, [&](int r, const vf& t) {
+            add(r, t, d);
+            if constexpr (T::HAS_MIN) s[r] += m * xsum[r * xld + (b * QK + 16 * run) / T::GROUP];
+          });
+        });
     }
     for (int r = 0; r < R; ++r) {
-      float s = macc[r];
-      for (int c = 0; c < DC; ++c)
-        for (int j = 0; j < LN; ++j) s += acc[r][c][j];
-      if constexpr (has_row_scale<T>()) s = s * f32(wr + K);
-      y[r * ldy + n] = s;
+      float v = s[r] + hsum(acc[r]);
+      if constexpr (has_row_scale<T>()) v = v * f32(wr + K);
+      y[r * ldy + n] = v;
     }
   }
 }
+
+// the row length of group_sums: K / GROUP rounded up to 16 (matmul_rows reads 16 groups at a time)
+template <class T>
+int64_t group_sums_ld(int64_t K) { return (K / T::GROUP + 15) / 16 * 16; }
 
 // rows n0..n1 of one weight, every row of x (in runs of at most 8)
 template <class T>
 void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
-  const int64_t ngroups = K / T::GROUP;
+  const int64_t xld = group_sums_ld<T>(K);
   for (int64_t r = 0; r < R; r += 8) {
     const float* xr = x + r * ldx;
-    const float* xs = xsum + r * ngroups;
+    const float* xs = xsum + r * xld;
     float* yr = y + r * ldy;
     switch (std::min<int64_t>(8, R - r)) {
-      case 1: matmul_rows<T, 1>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
-      case 2: matmul_rows<T, 2>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
-      case 3: matmul_rows<T, 3>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
-      case 4: matmul_rows<T, 4>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
-      case 5: matmul_rows<T, 5>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
-      case 6: matmul_rows<T, 6>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
-      case 7: matmul_rows<T, 7>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
-      default: matmul_rows<T, 8>(xr, ldx, xs, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 1: matmul_rows<T, 1>(xr, ldx, xs, xld, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 2: matmul_rows<T, 2>(xr, ldx, xs, xld, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 3: matmul_rows<T, 3>(xr, ldx, xs, xld, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 4: matmul_rows<T, 4>(xr, ldx, xs, xld, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 5: matmul_rows<T, 5>(xr, ldx, xs, xld, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 6: matmul_rows<T, 6>(xr, ldx, xs, xld, w, row_bytes, n0, n1, K, yr, ldy); break;
+      case 7: matmul_rows<T, 7>(xr, ldx, xs, xld, w, row_bytes, n0, n1, K, yr, ldy); break;
+      default: matmul_rows<T, 8>(xr, ldx, xs, xld, w, row_bytes, n0, n1, K, yr, ldy); break;
     }
   }
 }
 
-// x's sum over each group of values: (R, K / GROUP), for formats with a min
+// x's sum over each group of values: (R, group_sums_ld) with zeros past K / GROUP, for formats with a min
 template <class T>
 std::vector<float> group_sums(const float* x, int64_t ldx, int64_t R, int64_t K) {
-  const int64_t ngroups = K / T::GROUP;
-  std::vector<float> xsum(T::HAS_MIN ? R * ngroups : 0);
+  const int64_t ngroups = K / T::GROUP, xld = group_sums_ld<T>(K);
+  std::vector<float> xsum(T::HAS_MIN ? R * xld : 0, 0.0f);
   if constexpr (T::HAS_MIN)
     for (int64_t r = 0; r < R; ++r)
       for (int64_t g = 0; g < ngroups; ++g) {
         float s = 0.0f;
         for (int j = 0; j < T::GROUP; ++j) s += x[r * ldx + g * T::GROUP + j];
-        xsum[r * ngroups + g] = s;
+        xsum[r * xld + g] = s;
       }
   return xsum;
 }
