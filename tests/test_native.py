@@ -14,11 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgen.kernels import kernels_available
+from kvgen.kernels import kernels_available, unavailable_reason
 from kvgen.models import native
 from kvgen.models.gemma import softcapped_attention
 
-pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C++ compiler to build kvgen's kernels")
+# skipped only where there is no compiler; a compiler error in kvgen's own source fails every test here
+pytestmark = pytest.mark.skipif(not kernels_available() and "no C++ compiler" in unavailable_reason(),
+                                reason="no C++ compiler to build kvgen's kernels")
 
 
 def test_rms_norm_matches_torch():

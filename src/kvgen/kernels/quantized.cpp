@@ -1092,11 +1092,100 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 }  // namespace
 
+// ---- Llama-family decode layers on stored-precision weights: the dense parts of a layer as two
+// ops, so a decode step pays a few op calls per layer instead of ~40 small ones. Each computes
+// what the eager modules compute (rms_norm, qmatmul and float32 element-wise steps in the same
+// order, each product rounded before its sum), so the two paths agree up to the last bit of
+// F.silu's exp.
+
+// rms_norm(x) -> one fused q/k/v product -> rotary on the query and key heads.
+// x (B, T, hidden), B * T <= 8 rows; cos/sin (B, T, D) with sin's first half negated (rotated =
+// x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary). Returns q (B, H, T, D), k and v
+// (B, Hkv, T, D), contiguous.
+std::vector<at::Tensor> llama_attention_inputs(const at::Tensor& x, const at::Tensor& norm, double eps,
+                                               at::TensorList ws, at::IntArrayRef formats, const at::Tensor& cos,
+                                               const at::Tensor& sin, int64_t H, int64_t Hkv) {
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+              cos.size(1) == x.size(1) && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "kvgen: llama_attention_inputs takes x (B, T, hidden) and float32 cos/sin (B, T, D)");
+  const int64_t B = x.size(0), T = x.size(1), D = cos.size(2), R = B * T;
+  TORCH_CHECK(D % 32 == 0, "kvgen: llama_attention_inputs needs a head size that is a multiple of 32, not ", D);
+  const at::Tensor qkv = qmatmul(rms_norm(x.contiguous(), norm, eps).view({R, x.size(2)}), ws, formats);  // (R, (H + 2 Hkv) D)
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "kvgen: the q/k/v product has ", qkv.size(1), " features, not (",
+              H, " + 2 * ", Hkv, ") * ", D);
+  const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
+  at::Tensor q = at::empty({B, H, T, D}, x.options()), k = at::empty({B, Hkv, T, D}, x.options()),
+             v = at::empty({B, Hkv, T, D}, x.options());
+  const float *src = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const int64_t runs = D / 16, half = runs / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const float* row = src + (b * T + t) * qkv.size(1);
+      const float *cr = cp + (b * T + t) * D, *sr = sp + (b * T + t) * D;
+      for (int64_t h = 0; h < H + 2 * Hkv; ++h) {
+        const float* in = row + h * D;
+        float* out = h < H ? q.data_ptr<float>() + ((b * H + h) * T + t) * D
+                   : h < H + Hkv ? k.data_ptr<float>() + ((b * Hkv + h - H) * T + t) * D
+                                 : v.data_ptr<float>() + ((b * Hkv + h - H - Hkv) * T + t) * D;
+        if (h >= H + Hkv) {
+          std::memcpy(out, in, D * sizeof(float));
+          continue;
+        }
+        for (int64_t j = 0; j < runs; ++j) {  // rolled by D / 2: run j reads run (j + half) mod runs
+          const vf a = round(loadf(in + 16 * j) * loadf(cr + 16 * j));
+          const vf r = round(loadf(in + 16 * ((j + half) % runs)) * loadf(sr + 16 * j));
+          const vf sum = a + r;
+          std::memcpy(out + 16 * j, &sum, 64);
+        }
+      }
+    }
+  return {q, k, v};
+}
+
+// y += x, elementwise (same sizes, contiguous): y becomes x + y, as ATen adds them
+void add_into(at::Tensor& y, const at::Tensor& x) {
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < y.numel(); ++i) yp[i] = xp[i] + yp[i];
+}
+
+// h = x + attn @ o^T; out = h + (silu(g) * u) @ down^T with [g, u] = rms_norm(h) @ gate_up^T.
+// x (B, T, hidden) and attn (B, T, H * D), B * T <= 8 rows.
+at::Tensor llama_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorList o, at::IntArrayRef o_formats,
+                     const at::Tensor& norm, double eps, at::TensorList gate_up, at::IntArrayRef gate_up_formats,
+                     at::TensorList down, at::IntArrayRef down_formats) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "kvgen: llama_mlp takes x (B, T, hidden) float32");
+  const int64_t R = x.size(0) * x.size(1), hidden = x.size(2);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor h = qmatmul(attn.reshape({R, attn.size(-1)}).contiguous(), o, o_formats);  // (R, hidden)
+  TORCH_CHECK(h.size(1) == hidden, "kvgen: o has ", h.size(1), " rows, the hidden size is ", hidden);
+  add_into(h, xc);
+  const at::Tensor gu = qmatmul(rms_norm(h, norm, eps), gate_up, gate_up_formats);  // (R, 2 I)
+  const int64_t I = gu.size(1) / 2;
+  at::Tensor m = at::empty({R, I}, x.options());
+  const float* g = gu.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < I; ++j) {
+      const float gv = g[r * 2 * I + j], u = g[r * 2 * I + I + j];
+      float act = gv / (1.0f + std::exp(-gv));
+      asm("" : "+x"(act));  // rounded before the product, as F.silu(g) * u
+      mp[r * I + j] = act * u;
+    }
+  at::Tensor out = qmatmul(m, down, down_formats);
+  add_into(out, h);
+  return out.view(x.sizes());
+}
+
 TORCH_LIBRARY(kvgen, m) {
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");
+  m.def("llama_attention_inputs(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] formats, Tensor cos, Tensor sin, "
+        "int heads, int kv_heads) -> Tensor[]");
+  m.def("llama_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor norm, float eps, Tensor[] gate_up, "
+        "int[] gate_up_formats, Tensor[] down, int[] down_formats) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
@@ -1104,4 +1193,6 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("dequantize_", dequantize_);
   m.impl("rms_norm", rms_norm);
   m.impl("attention", attention);
+  m.impl("llama_attention_inputs", llama_attention_inputs);
+  m.impl("llama_mlp", llama_mlp);
 }

@@ -118,11 +118,20 @@ class DecoderLayer(nn.Module):
 
 @decode_block
 def _attention_inputs(layer: DecoderLayer, x, cos, sin):
-    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+    attn = layer.self_attn
+    if attn.q_norm is None:  # stored-precision weights: one C++ op (same arithmetic) where it applies
+        fused = native.llama_attention_inputs(x, layer.input_layernorm, attn.qkv_proj, cos, sin, attn.num_heads,
+                                              attn.num_kv_heads)
+        if fused is not None:
+            return fused
+    return attn.project(layer.input_layernorm(x), cos, sin)
 
 
 @decode_block
 def _finish_layer(layer: DecoderLayer, x, attn):
+    fused = native.llama_mlp(x, attn, layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp)
+    if fused is not None:
+        return fused
     x = x + layer.self_attn.o_proj(attn)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from kvgen.kernels import kernels_available
 from kvgen.models.decode_blocks import MAX_ROWS
+from kvgen.models.quantized_linear import QuantizedLinear
 
 #: above ``MAX_ROWS`` query rows, the C++ attention runs where at most this fraction of the mask's
 #: (query, key) pairs is allowed; denser masks go to SDPA (see :func:`attention`)
@@ -83,3 +84,32 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             mask is None or q.shape[0] != 1 or mask.shape[0] != 1 or allowed_fraction(mask) > SPARSE_FRACTION):
         return None
     return torch.ops.kvgen.attention(q, k, v, mask, scale, softcap or 0.0)
+
+
+def _packed(*layers: torch.nn.Module) -> bool:
+    return all(type(layer) is QuantizedLinear and layer.bias is None for layer in layers)
+
+
+def llama_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module, cos: torch.Tensor,
+                           sin: torch.Tensor, heads: int, kv_heads: int) -> list[torch.Tensor] | None:
+    """``q, k, v`` of a Llama-family decode step as one C++ op (``kvgen::llama_attention_inputs``):
+    ``norm(x)``, the fused q/k/v product ``proj`` on stored-precision weights, rotary on every query
+    and key channel. None where it does not apply (more than ``MAX_ROWS`` rows, float weights,
+    biases, partial rotary): then the caller runs its modules."""
+    head_dim = cos.shape[-1]
+    if not (_native(x, x.shape[0] * x.shape[1]) and _packed(proj) and cos.dtype == torch.float32
+            and head_dim % 32 == 0 and head_dim * (heads + 2 * kv_heads) == proj.out_features):
+        return None
+    return torch.ops.kvgen.llama_attention_inputs(x, norm.weight, norm.eps, proj._segments, proj.formats, cos, sin,
+                                                  heads, kv_heads)
+
+
+def llama_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, norm: torch.nn.Module,
+              mlp: torch.nn.Module) -> torch.Tensor | None:
+    """``h = x + o_proj(attn); h + mlp(norm(h))`` of a Llama-family decode step as one C++ op
+    (``kvgen::llama_mlp``, SiLU-gated MLP on stored-precision weights); None where it does not apply."""
+    if not (_native(x, x.shape[0] * x.shape[1]) and mlp.act is F.silu and _packed(o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        return None
+    return torch.ops.kvgen.llama_mlp(x, attn, o_proj._segments, o_proj.formats, norm.weight, norm.eps,
+                                     mlp.gate_up_proj._segments, mlp.gate_up_proj.formats,
+                                     mlp.down_proj._segments, mlp.down_proj.formats)
