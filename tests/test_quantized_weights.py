@@ -19,7 +19,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import kvgen
 from kvgen.kernels import kernels_available, unavailable_reason
-from kvgen.models.packed import PackedWeight
+from kvgen.models.packed import PackedWeight, tile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from kvgen.quantization import TorchAoConfig, quantize_int4, quantize_int8
 
@@ -44,16 +44,21 @@ def random_raw(qtype, rows, cols, seed=0) -> np.ndarray:
 
 
 def check_against_gguf(raw: np.ndarray, qtype, cols: int) -> None:
-    """dequantize_ equals gguf bit for bit; qmatmul (1, 3 and 8 rows) equals x @ W.T up to summation order."""
+    """dequantize_ equals gguf bit for bit; qmatmul (1, 3, 8 and 11 rows) equals x @ W.T up to summation
+    order. The same for Q4_1 in tiles of 16 rows (the layout linear layers keep it in)."""
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(raw.shape[0], cols))
     weight = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)))], cols)
-    assert torch.equal(weight.dequantize(), expected)
-    for rows in (1, 3, 8):
-        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
-        got = torch.ops.kvgen.qmatmul(x, [weight.segments[0][1]], [int(qtype)])
-        reference = x.double() @ expected.double().T
-        bound = 1e-5 * (x.double().abs() @ expected.double().abs().T) + 1e-6  # float32 summation error
-        assert ((got.double() - reference).abs() <= bound).all()
+    tiled = tile_rows(weight)
+    assert (tiled.segments[0][0] == 1003) == (qtype == Q.Q4_1 and raw.shape[0] % 16 == 0)
+    for w in (weight, tiled) if tiled.segments[0][0] == 1003 else (weight,):
+        ((format, data),) = w.segments
+        assert torch.equal(w.dequantize(), expected)
+        for rows in (1, 3, 8, 11):
+            x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+            got = torch.ops.kvgen.qmatmul(x, [data], [format])
+            reference = x.double() @ expected.double().T
+            bound = 1e-5 * (x.double().abs() @ expected.double().abs().T) + 1e-6  # float32 summation error
+            assert ((got.double() - reference).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE + K_QUANTS, ids=lambda q: q.name)
@@ -168,6 +173,11 @@ def smollm_pair():
 def test_gguf_loads_in_its_stored_types_by_default(smollm_pair):
     quantized, reference, _ = smollm_pair
     assert quantized.weight_format == "Q8_0+Q4_1" and reference.weight_format == "float32"
+    layer = quantized.model.layers[0]
+    assert layer.mlp.down_proj.formats == [1003] and layer.self_attn.qkv_proj.formats == [1003] * 3  # Q4_1 in tiles
+    assert quantized.model.embed_tokens.formats == [8]  # looked up by row: as stored
+    with pytest.raises(ValueError, match="tiles"):
+        layer.mlp.down_proj.weight.permute_rows(torch.arange(576))
     assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)
     assert quantized.lm_head.packed_0 is quantized.model.embed_tokens.packed_0  # tied: stored once
     stored = sum(b.numel() for b in quantized.buffers() if b.dtype == torch.uint8)

@@ -10,7 +10,10 @@ file holds them (no copy), whatever their formats (Gemma 3's q/k in Q5_0, v in Q
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,7 +34,11 @@ FORMATS: dict[int, tuple[str, int, int, int]] = {
     1032: ("int4/g32", 32, 24, 0),
     1064: ("int4/g64", 64, 40, 0),
     1128: ("int4/g128", 128, 72, 0),
+    1003: ("Q4_1", 32, 20, 0),  # Q4_1 in tiles of 16 rows (tile_rows): the same bytes in another order
 }
+
+#: tiled formats: format -> rows per tile
+TILED: dict[int, int] = {1003: 16}
 
 
 def row_bytes(format: int, in_features: int) -> int:
@@ -99,7 +106,36 @@ class PackedWeight:
     def permute_rows(self, index: torch.Tensor) -> "PackedWeight":
         """Rows reordered by ``index`` (a permutation within a single-format weight, e.g. llama's Q/K)."""
         ((format, data),) = self.segments
+        if format in TILED:
+            raise ValueError("rows in tiles cannot be permuted one by one; permute before tile_rows")
         return PackedWeight([(format, data[index])], self.in_features)
+
+
+def tile_rows(weight: PackedWeight) -> PackedWeight:
+    """``weight`` with its Q4_1 segments (of a multiple of 16 rows) in tiles of 16 rows (format 1003).
+
+    Per block of 32 columns a tile holds the 16 rows' float16 d, their float16 m, then byte j of
+    each row's block for j = 0..15: the bytes of 16 GGUF blocks in another order, so that a one-row
+    product decodes 16 rows' values per instruction. For linear layers only (an embedding looks
+    up single rows); the values, and ``dequantize``, are unchanged.
+
+    Example:
+        >>> import gguf, numpy as np
+        >>> raw = gguf.quants.quantize(np.random.randn(16, 64).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+        >>> w = PackedWeight([(3, torch.from_numpy(raw))], in_features=64)
+        >>> torch.equal(tile_rows(w).dequantize(), w.dequantize())
+        True
+    """
+    segments = []
+    for format, data in weight.segments:
+        if format == 3 and data.shape[0] % 16 == 0:
+            tiles, blocks = data.shape[0] // 16, data.shape[1] // 20
+            t = data.reshape(tiles, 16, blocks, 20).transpose(1, 2)  # (tiles, blocks, 16 rows, 20 bytes)
+            parts = (t[..., 0:2].reshape(tiles, blocks, 32), t[..., 2:4].reshape(tiles, blocks, 32),  # d, m
+                     t[..., 4:].transpose(-1, -2).reshape(tiles, blocks, 256))  # byte j of the 16 rows, j = 0..15
+            format, data = 1003, torch.cat(parts, dim=-1).reshape(data.shape)
+        segments.append((format, data))
+    return PackedWeight(segments, weight.in_features)
 
 
 def cat_rows(parts: list) -> torch.Tensor | PackedWeight:
@@ -110,3 +146,31 @@ def cat_rows(parts: list) -> torch.Tensor | PackedWeight:
         raise ValueError("cannot fuse packed weights with float ones or with other input sizes; "
                          "load with dtype=torch.float32 to dequantize them all")
     return PackedWeight([segment for part in parts for segment in part.segments], parts[0].in_features)
+
+
+def release_file_pages(tensors: list[torch.Tensor]) -> None:
+    """Drop the pages of file-mapped ``tensors`` from this process (``madvise(MADV_DONTNEED)``, Linux).
+
+    For sources that a copy replaced (:func:`tile_rows` of a GGUF's mapped weights): reading them
+    made their pages resident, and they would stay counted in this process's memory while the file
+    stays mapped. The file keeps its bytes (a later read faults them in again). Tensors outside
+    file mappings (anonymous memory, whose pages this would zero) are left alone.
+    """
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    files = []  # (start, end) of file-backed mappings
+    for line in maps:
+        fields = line.split()
+        if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
+            start, end = (int(a, 16) for a in fields[0].split("-"))
+            files.append((start, end))
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for t in tensors:
+        lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        if any(start <= lo and hi <= end for start, end in files):
+            first, last = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE, hi // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages only
+            if last > first:
+                madvise(first, last - first, 4)  # MADV_DONTNEED
