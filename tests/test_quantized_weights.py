@@ -45,14 +45,18 @@ def random_raw(qtype, rows, cols, seed=0) -> np.ndarray:
 
 def check_against_gguf(raw: np.ndarray, qtype, cols: int) -> None:
     """dequantize_ equals gguf bit for bit; qmatmul (1, 3, 8 and 11 rows) equals x @ W.T up to summation
-    order. The same for Q4_1 in tiles of 16 rows (the layout linear layers keep it in)."""
+    order. The same in tiles of 16 rows (the layout models keep Q4_0 and Q4_1 in), and embedding
+    lookups of either layout."""
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(raw.shape[0], cols))
     weight = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)))], cols)
     tiled = tile_rows(weight)
-    assert (tiled.segments[0][0] == 1003) == (qtype == Q.Q4_1 and raw.shape[0] % 16 == 0)
-    for w in (weight, tiled) if tiled.segments[0][0] == 1003 else (weight,):
+    is_tiled = tiled.segments[0][0] != int(qtype)
+    assert is_tiled == (qtype in (Q.Q4_0, Q.Q4_1) and raw.shape[0] % 16 == 0)
+    for w in (weight, tiled) if is_tiled else (weight,):
         ((format, data),) = w.segments
         assert torch.equal(w.dequantize(), expected)
+        ids = torch.tensor([[0, raw.shape[0] - 1, 5], [17 % raw.shape[0], 5, 2]])
+        assert torch.equal(QuantizedEmbedding(w)(ids), expected[ids])
         for rows in (1, 3, 8, 11):
             x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
             got = torch.ops.kvgen.qmatmul(x, [data], [format])
@@ -174,8 +178,8 @@ def test_gguf_loads_in_its_stored_types_by_default(smollm_pair):
     quantized, reference, _ = smollm_pair
     assert quantized.weight_format == "Q8_0+Q4_1" and reference.weight_format == "float32"
     layer = quantized.model.layers[0]
-    assert layer.mlp.down_proj.formats == [1003] and layer.self_attn.qkv_proj.formats == [1003] * 3  # Q4_1 in tiles
-    assert quantized.model.embed_tokens.formats == [8]  # looked up by row: as stored
+    assert layer.mlp.down_proj.formats == [2003] and layer.self_attn.qkv_proj.formats == [2003] * 3  # in tiles
+    assert quantized.model.embed_tokens.formats == [8]  # Q8_0 stays in rows
     with pytest.raises(ValueError, match="tiles"):
         layer.mlp.down_proj.weight.permute_rows(torch.arange(576))
     assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)

@@ -311,14 +311,28 @@ struct I8 {
   }
 };
 
-// kvgen's Q4_1 in tiles of 16 rows (kvgen.models.packed.tile_rows): for each block of 32 columns,
-// the 16 rows' float16 d, their float16 m, then 16 runs of 16 bytes, run j holding byte j of the
-// 16 rows' GGUF blocks (low nibbles: column j, high nibbles: column j + 16; one row per lane).
-// 320 bytes per tile block, the bytes of 16 GGUF blocks. A one-row product decodes 16 rows' values
-// per instruction and multiplies them by one broadcast input value: no per-row sums.
-struct Q4_1x16 : Q4_1 {
+// GGUF blocks in tiles of 16 rows (kvgen.models.packed.tile_rows), format 2000 + the GGML type: for
+// each block of 32 columns, the 16 rows' 2-byte head fields one field after the other (float16 d,
+// then float16 m where the format has one), then the value bytes in runs of 16: run j holds byte j
+// of the 16 rows' values, one row per lane. A tile block holds the bytes of 16 GGUF blocks. A
+// one-row product decodes 16 rows' values per instruction and multiplies them by one broadcast
+// input value: no per-row sums. columns(run, lanes, emit) calls emit(column, values) for the
+// columns whose values run j holds (DC native vectors of 16 rows). Q8_0 stays in rows: its
+// one-row product already streams at the memory's speed (22 GB/s, 2 threads), tiled it did not.
+template <class G>
+struct Tiled : G {
   static constexpr bool TILED = true;
-  static constexpr int TILE = 16;
+  static constexpr int TILE = 16, HEAD = G::HAS_MIN ? 4 : 2;  // head bytes per GGUF block
+  using Gguf = G;
+};
+
+struct Q4_0x16 : Tiled<Q4_0> {
+  static constexpr int RUNS = 16;
+  template <class E> static void columns(const uint8_t* run, int j, E&& emit);
+};
+struct Q4_1x16 : Tiled<Q4_1> {
+  static constexpr int RUNS = 16;
+  template <class E> static void columns(const uint8_t* run, int j, E&& emit);
 };
 
 template <class T>
@@ -348,27 +362,28 @@ template <class T>
 void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* out,
                      int64_t ld);
 
-// the tiles whose first row lies in n0..n1: 16 rows each, back to GGUF blocks, then Q4_1's own decode
+// the tiles whose first row lies in n0..n1: 16 rows each, back to GGUF blocks, then the format's own decode
+template <class T>
 void dequantize_tiles(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, float* out, int64_t ld) {
-  const int64_t nb = K / 32;
-  std::vector<uint8_t> rows(16 * nb * 20);  // one tile as 16 GGUF rows
+  using G = typename T::Gguf;
+  const int64_t nb = K / 32, TB = 16 * G::BYTES;
+  std::vector<uint8_t> rows(16 * nb * G::BYTES);  // one tile as 16 GGUF rows
   for (int64_t t = (n0 + 15) / 16; t * 16 < n1; ++t) {
-    const uint8_t* tile = w + t * nb * 320;
+    const uint8_t* tile = w + t * nb * TB;
     for (int64_t b = 0; b < nb; ++b)
       for (int i = 0; i < 16; ++i) {
-        uint8_t* g = rows.data() + (i * nb + b) * 20;
-        std::memcpy(g, tile + b * 320 + 2 * i, 2);
-        std::memcpy(g + 2, tile + b * 320 + 32 + 2 * i, 2);
-        for (int j = 0; j < 16; ++j) g[4 + j] = tile[b * 320 + 64 + 16 * j + i];
+        uint8_t* g = rows.data() + (i * nb + b) * G::BYTES;
+        for (int f = 0; f < T::HEAD / 2; ++f) std::memcpy(g + 2 * f, tile + b * TB + 32 * f + 2 * i, 2);
+        for (int v = 0; v < G::BYTES - T::HEAD; ++v) g[T::HEAD + v] = tile[b * TB + 16 * T::HEAD + 16 * v + i];
       }
-    dequantize_rows<Q4_1>(rows.data(), nb * 20, 0, 16, K, out + t * 16 * ld, ld);
+    dequantize_rows<G>(rows.data(), nb * G::BYTES, 0, 16, K, out + t * 16 * ld, ld);
   }
 }
 
 template <class T>
 void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* out,
                      int64_t ld) {
-  if constexpr (tiled<T>()) return dequantize_tiles(w, n0, n1, K, out, ld);
+  if constexpr (tiled<T>()) return dequantize_tiles<T>(w, n0, n1, K, out, ld);
   const int64_t nb = K / T::QK;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* wr = w + n * row_bytes;
@@ -520,10 +535,11 @@ void matmul_rows(const float* x, int64_t ldx, const float* xsum, int64_t xld, co
   }
 }
 
-// 16 bytes -> 16 lanes (DC native vectors): low nibbles as floats, high nibbles as floats
-inline void nibbles16(const uint8_t* p, vn* lo, vn* hi) {
+// 16 bytes -> 16 lanes (DC native vectors): table[low nibble], table[high nibble]
+inline void nibbles16(const uint8_t* p, float base, vn* lo, vn* hi) {
 #if defined(__AVX512F__)
-  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                     _mm512_set1_ps(base));  // small integers: exact
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512 l = _mm512_permutexvar_ps(v, table), h = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);  // index: low 4 bits
   std::memcpy(lo, &l, 64);
@@ -531,66 +547,78 @@ inline void nibbles16(const uint8_t* p, vn* lo, vn* hi) {
 #elif defined(__AVX2__)
   for (int c = 0; c < 2; ++c) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * c)));
-    const __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-    const __m256 h = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+    const __m256 l = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))), _mm256_set1_ps(base));
+    const __m256 h = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), _mm256_set1_ps(base));
     std::memcpy(lo + c, &l, 32);
     std::memcpy(hi + c, &h, 32);
   }
 #else
   float l[16], h[16];
   for (int i = 0; i < 16; ++i) {
-    l[i] = (float)(p[i] & 15);
-    h[i] = (float)(p[i] >> 4);
+    l[i] = (float)(p[i] & 15) + base;
+    h[i] = (float)(p[i] >> 4) + base;
   }
   std::memcpy(lo, l, 64);
   std::memcpy(hi, h, 64);
 #endif
 }
 
-// y[r, 16 t + i] for tiles t0..t1 of a Q4_1x16 weight and R rows of x (R <= 8): per block, the
-// 16 rows' sum(q * x) in lanes (CH independent chains: a chain of 32 dependent multiply-adds
-// would wait on latency), then d * that + m * sum(x) per row
-template <int R>
+template <class E> void Q4_0x16::columns(const uint8_t* run, int j, E&& emit) {  // columns j and j + 16
+  vn lo[DC], hi[DC];
+  nibbles16(run, -8.0f, lo, hi);
+  emit(j, lo);
+  emit(j + 16, hi);
+}
+template <class E> void Q4_1x16::columns(const uint8_t* run, int j, E&& emit) {
+  vn lo[DC], hi[DC];
+  nibbles16(run, 0.0f, lo, hi);
+  emit(j, lo);
+  emit(j + 16, hi);
+}
+
+// y[r, 16 t + i] for tiles t0..t1 of a tiled weight and R rows of x (R <= 8): per block, the 16
+// rows' sum(q * x) in lanes (CH independent chains: one chain of 32 dependent multiply-adds would
+// wait on their latency), then d * that (+ m * sum(x)) per row
+template <class T, int R>
 void matmul_tiles(const float* x, int64_t ldx, const float* xsum, int64_t xld, const uint8_t* w, int64_t t0,
                   int64_t t1, int64_t K, float* y, int64_t ldy) {
   constexpr int CH = R >= 4 ? 1 : 4 / R;
+  constexpr int64_t TB = 16 * T::Gguf::BYTES;
   const int64_t nb = K / 32;
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * nb * 320;
+    const uint8_t* tile = w + t * nb * TB;
     vn acc[R][DC] = {};
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = tile + b * 320;
-      for (int l = 0; l < 320; l += 64) __builtin_prefetch(blk + PREFETCH + l);
+      const uint8_t* blk = tile + b * TB;
+      for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(blk + PREFETCH + l);
       vn part[CH][R][DC] = {};
-      for (int j = 0; j < 16; ++j) {
-        vn lo[DC], hi[DC];
-        nibbles16(blk + 64 + 16 * j, lo, hi);
-        for (int r = 0; r < R; ++r) {
-          const float xl = x[r * ldx + b * 32 + j], xh = x[r * ldx + b * 32 + j + 16];
-          for (int c = 0; c < DC; ++c) {
-            vn& p = part[j % CH][r][c];
-            p += lo[c] * xl;
-            p += hi[c] * xh;
+      const float* xb = x + b * 32;
+      for (int j = 0; j < T::RUNS; ++j)
+        T::columns(blk + 16 * T::HEAD + 16 * j, j, [&](int col, const vn* v) {
+          for (int r = 0; r < R; ++r) {
+            const float xv = xb[r * ldx + col];
+            for (int c = 0; c < DC; ++c) part[j % CH][r][c] += v[c] * xv;
           }
-        }
-      }
+        });
       float d[16], m[16];
-      uint16_t dh[16], mh[16];
-      std::memcpy(dh, blk, 32);
-      std::memcpy(mh, blk + 32, 32);
-      f16x16(dh, d);
-      f16x16(mh, m);
-      for (int r = 0; r < R; ++r) {
-        const float xs = xsum[r * xld + b];
+      uint16_t h[16];
+      std::memcpy(h, blk, 32);
+      f16x16(h, d);
+      if constexpr (T::HAS_MIN) {
+        std::memcpy(h, blk + 32, 32);
+        f16x16(h, m);
+      }
+      for (int r = 0; r < R; ++r)
         for (int c = 0; c < DC; ++c) {
           vn sum = part[0][r][c], dv, mv;
           for (int k = 1; k < CH; ++k) sum += part[k][r][c];
           std::memcpy(&dv, d + c * LN, sizeof(vn));
-          std::memcpy(&mv, m + c * LN, sizeof(vn));
           acc[r][c] += dv * sum;
-          acc[r][c] += mv * xs;
+          if constexpr (T::HAS_MIN) {
+            std::memcpy(&mv, m + c * LN, sizeof(vn));
+            acc[r][c] += mv * xsum[r * xld + b];
+          }
         }
-      }
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < DC; ++c) std::memcpy(y + r * ldy + 16 * t + c * LN, &acc[r][c], sizeof(vn));
@@ -617,15 +645,15 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
       const float *xr = x + r * ldx, *xs = xsum + r * xld;
       float* yr = y + r * ldy;
       switch (std::min<int64_t>(RT, R - r)) {
-        case 1: matmul_tiles<1>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
-        case 2: matmul_tiles<2>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
+        case 1: matmul_tiles<T, 1>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
+        case 2: matmul_tiles<T, 2>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
 #if defined(__AVX512F__)
-        case 3: matmul_tiles<3>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
-        case 4: matmul_tiles<4>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
-        case 5: matmul_tiles<5>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
-        case 6: matmul_tiles<6>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
-        case 7: matmul_tiles<7>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
-        default: matmul_tiles<8>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
+        case 3: matmul_tiles<T, 3>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
+        case 4: matmul_tiles<T, 4>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
+        case 5: matmul_tiles<T, 5>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
+        case 6: matmul_tiles<T, 6>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
+        case 7: matmul_tiles<T, 7>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
+        default: matmul_tiles<T, 8>(xr, ldx, xs, xld, w, t0, t1, K, yr, ldy); break;
 #endif
       }
     }
@@ -663,7 +691,7 @@ std::vector<float> group_sums(const float* x, int64_t ldx, int64_t R, int64_t K)
   return xsum;
 }
 
-// format codes: GGML's type ids; kvgen's own formats above 1000
+// format codes: GGML's type ids; kvgen's own formats above 1000; GGML types in tiles of 16 rows: 2000 + the type
 template <class F>
 void dispatch(int64_t format, F&& f) {
   switch (format) {
@@ -677,7 +705,8 @@ void dispatch(int64_t format, F&& f) {
     case 13: f(Q5_K{}); break;
     case 14: f(Q6_K{}); break;
     case 30: f(BF16{}); break;
-    case 1003: f(Q4_1x16{}); break;
+    case 2002: f(Q4_0x16{}); break;
+    case 2003: f(Q4_1x16{}); break;
     case 1008: f(I8{}); break;
     case 1032: f(I4<32>{}); break;
     case 1064: f(I4<64>{}); break;

@@ -252,7 +252,7 @@ def _pack_16bit_weights(model: nn.Module, state_dict: dict) -> None:
 def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device) -> None:
     """Put each :class:`PackedWeight` of ``state_dict`` in place: its ``nn.Linear`` / ``nn.Embedding``
     becomes a quantized layer (layers tied to it too), and the entry leaves ``state_dict``."""
-    from kvgen.models.packed import PackedWeight, release_file_pages, tile_rows
+    from kvgen.models.packed import PackedWeight, tile_rows
     from kvgen.models.decode_blocks import run_blocks_eagerly
     from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 
@@ -262,7 +262,6 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
     if device.type != "cpu":
         raise ValueError(f"weights kept in their stored format run on the CPU, not {device}; "
                          "pass dtype=torch.float32 to dequantize them")
-    replaced: list[torch.Tensor] = []  # stored bytes that tiling copied
     sharing: dict[int, list[str]] = {}  # parameter -> every module holding it (tied embeddings)
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -270,12 +269,8 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
     for name, weight in packed.items():
         module_name = name.removesuffix(".weight")
         original = model.get_submodule(module_name)
-        holders = sharing[id(original.weight)]
-        if not any(isinstance(model.get_submodule(h), nn.Embedding) for h in holders):
-            tiled = tile_rows(weight)  # linear layers only: Q4_1 in tiles of 16 rows for the one-row product
-            replaced += [data for (_, data), (_, copy) in zip(weight.segments, tiled.segments) if copy is not data]
-            weight = tiled
-        for holder in holders:
+        weight = tile_rows(weight)  # Q4_0 / Q4_1 in tiles of 16 rows for the one-row product
+        for holder in sharing[id(original.weight)]:
             module = model.get_submodule(holder)
             if isinstance(module, nn.Embedding):
                 replacement = QuantizedEmbedding(weight)
@@ -284,7 +279,6 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
                 replacement = QuantizedLinear(weight, bias)
             model.set_submodule(holder, replacement)
         del state_dict[name]
-    release_file_pages(replaced)
     run_blocks_eagerly(model)
 
 

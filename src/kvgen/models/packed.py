@@ -34,11 +34,15 @@ FORMATS: dict[int, tuple[str, int, int, int]] = {
     1032: ("int4/g32", 32, 24, 0),
     1064: ("int4/g64", 64, 40, 0),
     1128: ("int4/g128", 128, 72, 0),
-    1003: ("Q4_1", 32, 20, 0),  # Q4_1 in tiles of 16 rows (tile_rows): the same bytes in another order
+    # GGUF types in tiles of 16 rows (tile_rows): 2000 + the GGML type, the same bytes in another order
+    2002: ("Q4_0", 32, 18, 0),
+    2003: ("Q4_1", 32, 20, 0),
 }
 
+#: GGML type -> bytes of its block head (float16 d, then m) for the types :func:`tile_rows` tiles
+TILED_HEADS: dict[int, int] = {2: 2, 3: 4}
 #: tiled formats: format -> rows per tile
-TILED: dict[int, int] = {1003: 16}
+TILED: dict[int, int] = {2000 + t: 16 for t in TILED_HEADS}
 
 
 def row_bytes(format: int, in_features: int) -> int:
@@ -96,6 +100,10 @@ class PackedWeight:
 
     def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The float32 (out_features, in_features) matrix, exactly as gguf dequantizes it (into ``out``)."""
+        from kvgen.kernels import kernels_available, unavailable_reason
+
+        if not kernels_available():
+            raise RuntimeError(f"dequantizing a packed weight needs kvgen's kernels: {unavailable_reason()}")
         out = torch.empty(self.shape) if out is None else out
         start = 0
         for format, data in self.segments:
@@ -112,29 +120,38 @@ class PackedWeight:
 
 
 def tile_rows(weight: PackedWeight) -> PackedWeight:
-    """``weight`` with its Q4_1 segments (of a multiple of 16 rows) in tiles of 16 rows (format 1003).
+    """``weight`` with its Q4_0 and Q4_1 segments (of a multiple of 16 rows) in tiles of 16 rows
+    (format 2000 + the GGML type).
 
-    Per block of 32 columns a tile holds the 16 rows' float16 d, their float16 m, then byte j of
-    each row's block for j = 0..15: the bytes of 16 GGUF blocks in another order, so that a one-row
-    product decodes 16 rows' values per instruction. For linear layers only (an embedding looks
-    up single rows); the values, and ``dequantize``, are unchanged.
+    Per block of 32 columns a tile holds the 16 rows' float16 d (then their float16 m, Q4_1), then
+    byte j of each row's values for every j: the bytes of 16 GGUF blocks in another order, so that
+    a one-row product decodes 16 rows' values per instruction (1.4-1.8x faster). The values,
+    ``dequantize`` and embedding lookups are unchanged. File-mapped sources are released once
+    copied (:func:`release_file_pages`).
 
     Example:
         >>> import gguf, numpy as np
         >>> raw = gguf.quants.quantize(np.random.randn(16, 64).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
         >>> w = PackedWeight([(3, torch.from_numpy(raw))], in_features=64)
-        >>> torch.equal(tile_rows(w).dequantize(), w.dequantize())
-        True
+        >>> tile_rows(w).format_name, torch.equal(tile_rows(w).dequantize(), w.dequantize())
+        ('Q4_1', True)
     """
-    segments = []
+    segments, copied = [], []
     for format, data in weight.segments:
-        if format == 3 and data.shape[0] % 16 == 0:
-            tiles, blocks = data.shape[0] // 16, data.shape[1] // 20
-            t = data.reshape(tiles, 16, blocks, 20).transpose(1, 2)  # (tiles, blocks, 16 rows, 20 bytes)
-            parts = (t[..., 0:2].reshape(tiles, blocks, 32), t[..., 2:4].reshape(tiles, blocks, 32),  # d, m
-                     t[..., 4:].transpose(-1, -2).reshape(tiles, blocks, 256))  # byte j of the 16 rows, j = 0..15
-            format, data = 1003, torch.cat(parts, dim=-1).reshape(data.shape)
+        if format in TILED_HEADS and data.shape[0] % 16 == 0:
+            head, size = TILED_HEADS[format], FORMATS[format][2]
+            tiles, blocks = data.shape[0] // 16, data.shape[1] // size
+            source, out = data.reshape(tiles, 16, blocks, size), torch.empty_like(data)
+            target = out.view(tiles, blocks, 16 * size)
+            for t0 in range(0, tiles, 64):  # 64 tiles at a time: no temporaries the size of the weight
+                t = source[t0:t0 + 64].transpose(1, 2)  # (tiles, blocks, 16 rows, block bytes)
+                heads = [t[..., f:f + 2].flatten(-2) for f in range(0, head, 2)]  # d (, m) of the 16 rows
+                values = t[..., head:].transpose(-1, -2).flatten(-2)  # byte j of the 16 rows, for each j
+                target[t0:t0 + 64] = torch.cat([*heads, values], dim=-1)
+            copied.append(data)
+            format, data = 2000 + format, out
         segments.append((format, data))
+    release_file_pages(copied)
     return PackedWeight(segments, weight.in_features)
 
 
@@ -156,6 +173,8 @@ def release_file_pages(tensors: list[torch.Tensor]) -> None:
     stays mapped. The file keeps its bytes (a later read faults them in again). Tensors outside
     file mappings (anonymous memory, whose pages this would zero) are left alone.
     """
+    if not tensors:
+        return
     try:
         maps = Path("/proc/self/maps").read_text().splitlines()
         madvise = ctypes.CDLL(None, use_errno=True).madvise

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.models.decode_blocks import MAX_ROWS
-from kvgen.models.packed import PackedWeight
+from kvgen.models.packed import TILED, PackedWeight
 
 _scratch = torch.empty(0)  # float32 scratch for prefill: the largest dequantized weight so far
 
@@ -120,8 +120,15 @@ class QuantizedEmbedding(_Packed):
         _check_cpu(ids)
         ((format, data),) = self.weight.segments
         flat = ids.reshape(-1)
-        out = torch.empty(flat.shape[0], self.embedding_dim)
-        torch.ops.kvgen.dequantize_(out, data.index_select(0, flat), format)
+        if format in TILED:  # rows in tiles: dequantize each id's tile, keep its row
+            rows = TILED[format]
+            tiles = data.view(-1, rows * data.shape[1]).index_select(0, flat // rows)  # (ids, rows * row bytes)
+            out = torch.empty(flat.shape[0] * rows, self.embedding_dim)
+            torch.ops.kvgen.dequantize_(out, tiles.view(-1, data.shape[1]), format)
+            out = out[torch.arange(flat.shape[0]) * rows + flat % rows]  # (ids, dim)
+        else:
+            out = torch.empty(flat.shape[0], self.embedding_dim)
+            torch.ops.kvgen.dequantize_(out, data.index_select(0, flat), format)
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
