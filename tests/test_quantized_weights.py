@@ -210,16 +210,15 @@ def test_every_cache_type_runs_on_quantized_weights(smollm_pair, cache, monkeypa
     assert torch.equal(quantized.generate(**prompt, **kwargs), reference.generate(**prompt, **kwargs))
 
 
-def test_fused_decode_layers_compute_what_the_modules_compute(smollm_pair, monkeypatch):
-    """A decode step of a Llama-family model on stored weights runs two C++ ops per layer
-    (kvgen::llama_attention_inputs, kvgen::llama_mlp) in place of its modules. Same kernels, same
-    order; only SiLU's exp differs (ATen's vectorised exp against the C library's, within an ulp),
-    so logits of 1 and 3 rows over 8 steps agree to float32 rounding through 30 layers (1e-4)."""
+def check_fused_decode_layers(model, tokenizer, monkeypatch):
+    """A decode step on stored weights runs two C++ ops per layer (kvgen::decoder_attention_inputs,
+    kvgen::decoder_mlp) in place of its modules. Same kernels, same order; only the activation's
+    exp / tanh differ (ATen's vectorised ones against the C library's, within an ulp or two), so
+    logits of 1 and 3 rows over 8 steps agree to float32 rounding through every layer (1e-4)."""
     from kvgen.models import native
 
-    quantized, _, tokenizer = smollm_pair
     calls = []
-    for name in ("llama_attention_inputs", "llama_mlp"):
+    for name in ("decoder_attention_inputs", "decoder_mlp"):
         def counted(*args, _op=getattr(native, name), _name=name):
             out = _op(*args)
             calls.append((_name, out is not None))
@@ -232,15 +231,26 @@ def test_fused_decode_layers_compute_what_the_modules_compute(smollm_pair, monke
             step = ids[:rows]
             for _ in range(8):
                 calls.clear()
-                fused = quantized(step, past_key_values=caches[0]).logits[:, -1]
+                fused = model(step, past_key_values=caches[0]).logits[:, -1]
                 used = set(calls)
                 with monkeypatch.context() as m:  # the modules themselves
-                    m.setattr(native, "llama_attention_inputs", lambda *a: None)
-                    m.setattr(native, "llama_mlp", lambda *a: None)
-                    plain = quantized(step, past_key_values=caches[1]).logits[:, -1]
+                    m.setattr(native, "decoder_attention_inputs", lambda *a: None)
+                    m.setattr(native, "decoder_mlp", lambda *a: None)
+                    plain = model(step, past_key_values=caches[1]).logits[:, -1]
                 assert (fused - plain).abs().max().item() < 1e-4
                 step = plain.argmax(-1, keepdim=True)
-            assert used == {("llama_attention_inputs", True), ("llama_mlp", True)}  # the last step ran fused
+            assert used == {("decoder_attention_inputs", True), ("decoder_mlp", True)}  # the last step ran fused
+
+
+def test_fused_decode_layers_compute_what_the_modules_compute(smollm_pair, monkeypatch):
+    quantized, _, tokenizer = smollm_pair
+    check_fused_decode_layers(quantized, tokenizer, monkeypatch)
+
+
+def test_fused_gemma3_decode_layers_compute_what_the_modules_compute(gemma3_gguf, monkeypatch):
+    """Gemma 3: per-head query / key norms, sandwich norms, tanh GELU."""
+    check_fused_decode_layers(kvgen.AutoModelForCausalLM.from_pretrained(gemma3_gguf),
+                              kvgen.AutoTokenizer.from_pretrained(gemma3_gguf), monkeypatch)
 
 
 def test_beam_search_forks_and_saved_caches_on_quantized_weights(smollm_pair, tmp_path, monkeypatch):

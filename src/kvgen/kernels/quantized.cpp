@@ -815,6 +815,14 @@ inline V vtanh(V x) {
 }
 
 // x (rows, D) float32 contiguous -> x / sqrt(mean(x^2) + eps) * weight, one pass per row
+// y = x * rsqrt(mean(x^2) + eps) * w over D values (y may be x)
+inline void rms_row(const float* x, const float* w, int64_t D, double eps, float* y) {
+  double ss = 0.0;
+  for (int64_t j = 0; j < D; ++j) ss += (double)x[j] * x[j];
+  const float scale = 1.0f / std::sqrt((float)(ss / D) + (float)eps);
+  for (int64_t j = 0; j < D; ++j) y[j] = x[j] * scale * w[j];
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && weight.scalar_type() == at::kFloat &&
               weight.is_contiguous() && x.size(-1) == weight.numel(), "kvgen: rms_norm takes contiguous float32");
@@ -822,13 +830,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   at::Tensor y = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * D;
-    double ss = 0.0;
-    for (int64_t j = 0; j < D; ++j) ss += (double)xr[j] * xr[j];
-    const float scale = 1.0f / std::sqrt((float)(ss / D) + (float)eps);
-    for (int64_t j = 0; j < D; ++j) yp[r * D + j] = xr[j] * scale * wp[j];
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_row(xp + r * D, wp, D, eps, yp + r * D);
   return y;
 }
 
@@ -1288,24 +1290,29 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 }  // namespace
 
-// ---- Llama-family decode layers on stored-precision weights: the dense parts of a layer as two
-// ops, so a decode step pays a few op calls per layer instead of ~40 small ones. Each computes
-// what the eager modules compute (rms_norm, qmatmul and float32 element-wise steps in the same
-// order, each product rounded before its sum), so the two paths agree up to the last bit of
-// F.silu's exp.
+// ---- Decoder layers (Llama family, Gemma 2/3) on stored-precision weights: the dense parts of a
+// decode step's layer as two ops, so the step pays a few op calls per layer instead of ~40 small
+// ones. Each computes what the eager modules compute (rms_norm, qmatmul and float32 element-wise
+// steps in the same order, each product rounded before its sum), so the two paths agree up to the
+// last bit of the activation's exp / tanh.
 
-// rms_norm(x) -> one fused q/k/v product -> rotary on the query and key heads.
-// x (B, T, hidden), B * T <= 8 rows; cos/sin (B, T, D) with sin's first half negated (rotated =
-// x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary). Returns q (B, H, T, D), k and v
-// (B, Hkv, T, D), contiguous.
-std::vector<at::Tensor> llama_attention_inputs(const at::Tensor& x, const at::Tensor& norm, double eps,
-                                               at::TensorList ws, at::IntArrayRef formats, const at::Tensor& cos,
-                                               const at::Tensor& sin, int64_t H, int64_t Hkv) {
+// rms_norm(x) -> one fused q/k/v product -> optional RMSNorm of each query / key head (Qwen3,
+// Gemma 3) -> rotary on the query and key heads. x (B, T, hidden), B * T <= 8 rows; cos/sin
+// (B, T, D) with sin's first half negated (rotated = x * cos + roll(x, D / 2) * sin, as
+// kvgen.rope.apply_rotary). Returns q (B, H, T, D), k and v (B, Hkv, T, D), contiguous.
+std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::Tensor& norm, double eps,
+                                                 at::TensorList ws, at::IntArrayRef formats, const at::Tensor& cos,
+                                                 const at::Tensor& sin, int64_t H, int64_t Hkv,
+                                                 const c10::optional<at::Tensor>& q_norm,
+                                                 const c10::optional<at::Tensor>& k_norm, double head_eps) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
               cos.size(1) == x.size(1) && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "kvgen: llama_attention_inputs takes x (B, T, hidden) and float32 cos/sin (B, T, D)");
+              "kvgen: decoder_attention_inputs takes x (B, T, hidden) and float32 cos/sin (B, T, D)");
   const int64_t B = x.size(0), T = x.size(1), D = cos.size(2), R = B * T;
-  TORCH_CHECK(D % 32 == 0, "kvgen: llama_attention_inputs needs a head size that is a multiple of 32, not ", D);
+  TORCH_CHECK(D % 32 == 0, "kvgen: decoder_attention_inputs needs a head size that is a multiple of 32, not ", D);
+  for (const auto* n : {&q_norm, &k_norm})
+    TORCH_CHECK(!n->has_value() || ((*n)->numel() == D && (*n)->is_contiguous() && (*n)->scalar_type() == at::kFloat),
+                "kvgen: a head norm holds D float32 weights");
   const at::Tensor qkv = qmatmul(rms_norm(x.contiguous(), norm, eps).view({R, x.size(2)}), ws, formats);  // (R, (H + 2 Hkv) D)
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "kvgen: the q/k/v product has ", qkv.size(1), " features, not (",
               H, " + 2 * ", Hkv, ") * ", D);
@@ -1313,7 +1320,10 @@ std::vector<at::Tensor> llama_attention_inputs(const at::Tensor& x, const at::Te
   at::Tensor q = at::empty({B, H, T, D}, x.options()), k = at::empty({B, Hkv, T, D}, x.options()),
              v = at::empty({B, Hkv, T, D}, x.options());
   const float *src = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = sn.data_ptr<float>();
+  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
   const int64_t runs = D / 16, half = runs / 2;
+  std::vector<float> normed(D);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       const float* row = src + (b * T + t) * qkv.size(1);
@@ -1326,6 +1336,11 @@ std::vector<at::Tensor> llama_attention_inputs(const at::Tensor& x, const at::Te
         if (h >= H + Hkv) {
           std::memcpy(out, in, D * sizeof(float));
           continue;
+        }
+        const float* head_norm = h < H ? qn : kn;
+        if (head_norm != nullptr) {
+          rms_row(in, head_norm, D, head_eps, normed.data());
+          in = normed.data();
         }
         for (int64_t j = 0; j < runs; ++j) {  // rolled by D / 2: run j reads run (j + half) mod runs
           const vf a = round(loadf(in + 16 * j) * loadf(cr + 16 * j));
@@ -1345,18 +1360,27 @@ void add_into(at::Tensor& y, const at::Tensor& x) {
   for (int64_t i = 0; i < y.numel(); ++i) yp[i] = xp[i] + yp[i];
 }
 
-// h = x + attn @ o^T; out = h + (silu(g) * u) @ down^T with [g, u] = rms_norm(h) @ gate_up^T.
-// x (B, T, hidden) and attn (B, T, H * D), B * T <= 8 rows.
-at::Tensor llama_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorList o, at::IntArrayRef o_formats,
-                     const at::Tensor& norm, double eps, at::TensorList gate_up, at::IntArrayRef gate_up_formats,
-                     at::TensorList down, at::IntArrayRef down_formats) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "kvgen: llama_mlp takes x (B, T, hidden) float32");
+// y = rms_norm(y) in place where a norm is given
+void maybe_norm(at::Tensor& y, const c10::optional<at::Tensor>& norm, double eps) {
+  if (norm.has_value()) y = rms_norm(y, *norm, eps);
+}
+
+// h = x + post_attention(attn @ o^T); out = h + post_feedforward((act(g) * u) @ down^T) with
+// [g, u] = pre_feedforward(h) @ gate_up^T. act: 0 SiLU, 1 GELU (tanh). The post norms are Gemma's
+// sandwich norms (absent for Llama). x (B, T, hidden) and attn (B, T, H * D), B * T <= 8 rows.
+at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorList o, at::IntArrayRef o_formats,
+                       const c10::optional<at::Tensor>& post_attention, const at::Tensor& pre_feedforward,
+                       const c10::optional<at::Tensor>& post_feedforward, double eps, at::TensorList gate_up,
+                       at::IntArrayRef gate_up_formats, at::TensorList down, at::IntArrayRef down_formats, int64_t act) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "kvgen: decoder_mlp takes x (B, T, hidden) float32");
+  TORCH_CHECK(act == 0 || act == 1, "kvgen: decoder_mlp's activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
   const int64_t R = x.size(0) * x.size(1), hidden = x.size(2);
   const at::Tensor xc = x.contiguous();
   at::Tensor h = qmatmul(attn.reshape({R, attn.size(-1)}).contiguous(), o, o_formats);  // (R, hidden)
   TORCH_CHECK(h.size(1) == hidden, "kvgen: o has ", h.size(1), " rows, the hidden size is ", hidden);
+  maybe_norm(h, post_attention, eps);
   add_into(h, xc);
-  const at::Tensor gu = qmatmul(rms_norm(h, norm, eps), gate_up, gate_up_formats);  // (R, 2 I)
+  const at::Tensor gu = qmatmul(rms_norm(h, pre_feedforward, eps), gate_up, gate_up_formats);  // (R, 2 I)
   const int64_t I = gu.size(1) / 2;
   at::Tensor m = at::empty({R, I}, x.options());
   const float* g = gu.data_ptr<float>();
@@ -1364,11 +1388,18 @@ at::Tensor llama_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorList
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < I; ++j) {
       const float gv = g[r * 2 * I + j], u = g[r * 2 * I + I + j];
-      float act = gv / (1.0f + std::exp(-gv));
-      asm("" : "+x"(act));  // rounded before the product, as F.silu(g) * u
-      mp[r * I + j] = act * u;
+      float a;
+      if (act == 0) {
+        a = gv / (1.0f + std::exp(-gv));
+      } else {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as ATen's tanh GELU
+        const float cube = gv * gv * gv, inner = 0.7978845608028654f * (gv + 0.044715f * cube);
+        a = 0.5f * gv * (1.0f + std::tanh(inner));
+      }
+      asm("" : "+x"(a));  // rounded before the product, as act(g) * u
+      mp[r * I + j] = a * u;
     }
   at::Tensor out = qmatmul(m, down, down_formats);
+  maybe_norm(out, post_feedforward, eps);
   add_into(out, h);
   return out.view(x.sizes());
 }
@@ -1378,10 +1409,11 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");
-  m.def("llama_attention_inputs(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] formats, Tensor cos, Tensor sin, "
-        "int heads, int kv_heads) -> Tensor[]");
-  m.def("llama_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor norm, float eps, Tensor[] gate_up, "
-        "int[] gate_up_formats, Tensor[] down, int[] down_formats) -> Tensor");
+  m.def("decoder_attention_inputs(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] formats, Tensor cos, "
+        "Tensor sin, int heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, float head_eps) -> Tensor[]");
+  m.def("decoder_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor? post_attention, "
+        "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
+        "Tensor[] down, int[] down_formats, int act) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
@@ -1389,6 +1421,6 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("dequantize_", dequantize_);
   m.impl("rms_norm", rms_norm);
   m.impl("attention", attention);
-  m.impl("llama_attention_inputs", llama_attention_inputs);
-  m.impl("llama_mlp", llama_mlp);
+  m.impl("decoder_attention_inputs", decoder_attention_inputs);
+  m.impl("decoder_mlp", decoder_mlp);
 }

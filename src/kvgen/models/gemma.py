@@ -48,8 +48,12 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
+    def scale(self) -> torch.Tensor:
+        """What the normalised values are multiplied by: ``1 + weight``."""
+        return 1.0 + self.weight.float()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = 1.0 + self.weight.float()
+        scale = self.scale()
         if x.dtype == torch.float32:
             return native.rms_norm(x, scale, self.eps)
         y = x.float()
@@ -132,6 +136,7 @@ class GemmaMLP(nn.Module):
         act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ACTIVATIONS:
             raise ValueError(f"hidden_activation {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        self.act_name = act
         self.act = ACTIVATIONS[act]
 
     def forward(self, x):
@@ -157,11 +162,20 @@ class GemmaDecoderLayer(nn.Module):
 
 @decode_block
 def _attention_inputs(layer: GemmaDecoderLayer, x, cos, sin):
-    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+    attn = layer.self_attn  # stored-precision weights: one C++ op (same arithmetic) where it applies
+    fused = native.decoder_attention_inputs(x, layer.input_layernorm, attn.qkv_proj, cos, sin, attn.num_heads,
+                                            attn.num_kv_heads, attn.q_norm, attn.k_norm)
+    if fused is not None:
+        return fused
+    return attn.project(layer.input_layernorm(x), cos, sin)
 
 
 @decode_block
 def _finish_layer(layer: GemmaDecoderLayer, x, attn):
+    fused = native.decoder_mlp(x, attn, layer.self_attn.o_proj, layer.pre_feedforward_layernorm, layer.mlp,
+                               layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+    if fused is not None:
+        return fused
     x = x + layer.post_attention_layernorm(layer.self_attn.o_proj(attn))
     return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
 

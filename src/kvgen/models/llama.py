@@ -33,6 +33,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def scale(self) -> torch.Tensor:
+        """What the normalised values are multiplied by."""
+        return self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel (float32 rounding aside, the same as below)
             return native.rms_norm(x, self.weight, self.eps)
@@ -96,6 +100,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                       bias=config.get("mlp_bias", False))
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.get("mlp_bias", False))
+        self.act_name = config.hidden_act
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
@@ -118,18 +123,17 @@ class DecoderLayer(nn.Module):
 
 @decode_block
 def _attention_inputs(layer: DecoderLayer, x, cos, sin):
-    attn = layer.self_attn
-    if attn.q_norm is None:  # stored-precision weights: one C++ op (same arithmetic) where it applies
-        fused = native.llama_attention_inputs(x, layer.input_layernorm, attn.qkv_proj, cos, sin, attn.num_heads,
-                                              attn.num_kv_heads)
-        if fused is not None:
-            return fused
+    attn = layer.self_attn  # stored-precision weights: one C++ op (same arithmetic) where it applies
+    fused = native.decoder_attention_inputs(x, layer.input_layernorm, attn.qkv_proj, cos, sin, attn.num_heads,
+                                            attn.num_kv_heads, attn.q_norm, attn.k_norm)
+    if fused is not None:
+        return fused
     return attn.project(layer.input_layernorm(x), cos, sin)
 
 
 @decode_block
 def _finish_layer(layer: DecoderLayer, x, attn):
-    fused = native.llama_mlp(x, attn, layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp)
+    fused = native.decoder_mlp(x, attn, layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp)
     if fused is not None:
         return fused
     x = x + layer.self_attn.o_proj(attn)

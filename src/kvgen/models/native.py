@@ -90,26 +90,40 @@ def _packed(*layers: torch.nn.Module) -> bool:
     return all(type(layer) is QuantizedLinear and layer.bias is None for layer in layers)
 
 
-def llama_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module, cos: torch.Tensor,
-                           sin: torch.Tensor, heads: int, kv_heads: int) -> list[torch.Tensor] | None:
-    """``q, k, v`` of a Llama-family decode step as one C++ op (``kvgen::llama_attention_inputs``):
-    ``norm(x)``, the fused q/k/v product ``proj`` on stored-precision weights, rotary on every query
-    and key channel. None where it does not apply (more than ``MAX_ROWS`` rows, float weights,
-    biases, partial rotary): then the caller runs its modules."""
+#: activations ``kvgen::decoder_mlp`` computes, by config name
+ACTIVATION_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
+
+
+def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module, cos: torch.Tensor,
+                             sin: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.nn.Module | None = None,
+                             k_norm: torch.nn.Module | None = None) -> list[torch.Tensor] | None:
+    """``q, k, v`` of a decode step as one C++ op (``kvgen::decoder_attention_inputs``): ``norm(x)``,
+    the fused q/k/v product ``proj`` on stored-precision weights, the optional per-head norms, rotary
+    on every query and key channel. Norms are RMSNorm modules with ``scale()`` and ``eps``. None
+    where it does not apply (more than ``MAX_ROWS`` rows, float weights, biases, partial rotary):
+    then the caller runs its modules."""
     head_dim = cos.shape[-1]
     if not (_native(x, x.shape[0] * x.shape[1]) and _packed(proj) and cos.dtype == torch.float32
             and head_dim % 32 == 0 and head_dim * (heads + 2 * kv_heads) == proj.out_features):
         return None
-    return torch.ops.kvgen.llama_attention_inputs(x, norm.weight, norm.eps, proj._segments, proj.formats, cos, sin,
-                                                  heads, kv_heads)
+    return torch.ops.kvgen.decoder_attention_inputs(
+        x, norm.scale(), norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads,
+        None if q_norm is None else q_norm.scale(), None if k_norm is None else k_norm.scale(),
+        0.0 if q_norm is None else q_norm.eps)
 
 
-def llama_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, norm: torch.nn.Module,
-              mlp: torch.nn.Module) -> torch.Tensor | None:
-    """``h = x + o_proj(attn); h + mlp(norm(h))`` of a Llama-family decode step as one C++ op
-    (``kvgen::llama_mlp``, SiLU-gated MLP on stored-precision weights); None where it does not apply."""
-    if not (_native(x, x.shape[0] * x.shape[1]) and mlp.act is F.silu and _packed(o_proj, mlp.gate_up_proj, mlp.down_proj)):
+def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pre_norm: torch.nn.Module,
+                mlp: torch.nn.Module, post_attention: torch.nn.Module | None = None,
+                post_feedforward: torch.nn.Module | None = None) -> torch.Tensor | None:
+    """``h = x + post_attention(o_proj(attn)); h + post_feedforward(mlp(pre_norm(h)))`` of a decode step
+    as one C++ op (``kvgen::decoder_mlp``: a gated MLP with ``mlp.act_name`` in
+    :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
+    for Llama). None where it does not apply."""
+    act = ACTIVATION_CODES.get(mlp.act_name)
+    if act is None or not (_native(x, x.shape[0] * x.shape[1])
+                           and _packed(o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return None
-    return torch.ops.kvgen.llama_mlp(x, attn, o_proj._segments, o_proj.formats, norm.weight, norm.eps,
-                                     mlp.gate_up_proj._segments, mlp.gate_up_proj.formats,
-                                     mlp.down_proj._segments, mlp.down_proj.formats)
+    return torch.ops.kvgen.decoder_mlp(
+        x, attn, o_proj._segments, o_proj.formats, None if post_attention is None else post_attention.scale(),
+        pre_norm.scale(), None if post_feedforward is None else post_feedforward.scale(), pre_norm.eps,
+        mlp.gate_up_proj._segments, mlp.gate_up_proj.formats, mlp.down_proj._segments, mlp.down_proj.formats, act)
