@@ -319,20 +319,29 @@ struct I8 {
 // input value: no per-row sums. columns(run, lanes, emit) calls emit(column, values) for the
 // columns whose values run j holds (DC native vectors of 16 rows). Q8_0 stays in rows: its
 // one-row product already streams at the memory's speed (22 GB/s, 2 threads), tiled it did not.
-template <class G>
+// state(block) is what columns needs of a tile block beyond its run (Q5_0: the 16 rows' 5th bits).
+template <class G, int H>
 struct Tiled : G {
   static constexpr bool TILED = true;
-  static constexpr int TILE = 16, HEAD = G::HAS_MIN ? 4 : 2;  // head bytes per GGUF block
+  static constexpr int TILE = 16, HEAD = H;  // head bytes per GGUF block
   using Gguf = G;
+  struct None {};
+  static None state(const uint8_t*) { return {}; }
 };
 
-struct Q4_0x16 : Tiled<Q4_0> {
+struct Q4_0x16 : Tiled<Q4_0, 2> {
   static constexpr int RUNS = 16;
-  template <class E> static void columns(const uint8_t* run, int j, E&& emit);
+  template <class E> static void columns(None, const uint8_t* run, int j, E&& emit);
 };
-struct Q4_1x16 : Tiled<Q4_1> {
+struct Q4_1x16 : Tiled<Q4_1, 4> {
   static constexpr int RUNS = 16;
-  template <class E> static void columns(const uint8_t* run, int j, E&& emit);
+  template <class E> static void columns(None, const uint8_t* run, int j, E&& emit);
+};
+struct Q5_0x16 : Tiled<Q5_0, 6> {  // head: d, then the 32-bit mask of 5th bits as two 2-byte fields
+  static constexpr int RUNS = 16;
+  struct High { vn low[DC], high[DC]; };  // each row's mask << 4 (bits 0-15 used), and the mask itself
+  static High state(const uint8_t* blk);
+  template <class E> static void columns(const High& h, const uint8_t* run, int j, E&& emit);
 };
 
 template <class T>
@@ -563,15 +572,78 @@ inline void nibbles16(const uint8_t* p, float base, vn* lo, vn* hi) {
 #endif
 }
 
-template <class E> void Q4_0x16::columns(const uint8_t* run, int j, E&& emit) {  // columns j and j + 16
+template <class E> void Q4_0x16::columns(None, const uint8_t* run, int j, E&& emit) {  // columns j and j + 16
   vn lo[DC], hi[DC];
   nibbles16(run, -8.0f, lo, hi);
   emit(j, lo);
   emit(j + 16, hi);
 }
-template <class E> void Q4_1x16::columns(const uint8_t* run, int j, E&& emit) {
+template <class E> void Q4_1x16::columns(None, const uint8_t* run, int j, E&& emit) {
   vn lo[DC], hi[DC];
   nibbles16(run, 0.0f, lo, hi);
+  emit(j, lo);
+  emit(j + 16, hi);
+}
+
+Q5_0x16::High Q5_0x16::state(const uint8_t* blk) {
+  uint32_t low[16], high[16];
+  for (int i = 0; i < 16; ++i) {
+    uint16_t lo, hi;
+    std::memcpy(&lo, blk + 32 + 2 * i, 2);
+    std::memcpy(&hi, blk + 64 + 2 * i, 2);
+    high[i] = (uint32_t)lo | (uint32_t)hi << 16;
+    low[i] = high[i] << 4;
+  }
+  High h;
+  std::memcpy(h.low, low, 64);
+  std::memcpy(h.high, high, 64);
+  return h;
+}
+
+// columns j and j + 16: 5-bit values (nibble | 5th bit << 4) - 16
+template <class E> void Q5_0x16::columns(const High& h, const uint8_t* run, int j, E&& emit) {
+  vn lo[DC], hi[DC];
+#if defined(__AVX512F__)
+  const __m512 low = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512 high = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(run)));
+  __m512i bl, bh;
+  std::memcpy(&bl, h.low, 64);
+  std::memcpy(&bh, h.high, 64);
+  const __m512i nib = _mm512_set1_epi32(15);
+  // index bits 0-3 from the nibble, bit 4 from the mask (bit j or j + 16, shifted to 4); bits above 4 are ignored
+  const __m512i il = _mm512_ternarylogic_epi32(nib, v, _mm512_srli_epi32(bl, j), 0xCA);
+  const __m512i ih = _mm512_ternarylogic_epi32(nib, _mm512_srli_epi32(v, 4), _mm512_srli_epi32(bh, j + 12), 0xCA);
+  const __m512 l = _mm512_permutex2var_ps(low, il, high), u = _mm512_permutex2var_ps(low, ih, high);
+  std::memcpy(lo, &l, 64);
+  std::memcpy(hi, &u, 64);
+#elif defined(__AVX2__)
+  const __m128i sl = _mm_cvtsi32_si128(j), sh = _mm_cvtsi32_si128(j + 12);
+  const __m256i nib = _mm256_set1_epi32(15), fifth = _mm256_set1_epi32(16);
+  for (int c = 0; c < 2; ++c) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(run + 8 * c)));
+    __m256i bl, bh;
+    std::memcpy(&bl, h.low + c, 32);
+    std::memcpy(&bh, h.high + c, 32);
+    const __m256i il = _mm256_or_si256(_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srl_epi32(bl, sl), fifth));
+    const __m256i ih = _mm256_or_si256(_mm256_srli_epi32(v, 4), _mm256_and_si256(_mm256_srl_epi32(bh, sh), fifth));
+    const __m256 l = _mm256_sub_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(16.0f));
+    const __m256 u = _mm256_sub_ps(_mm256_cvtepi32_ps(ih), _mm256_set1_ps(16.0f));
+    std::memcpy(lo + c, &l, 32);
+    std::memcpy(hi + c, &u, 32);
+  }
+#else
+  uint32_t bl[16], bh[16];
+  std::memcpy(bl, h.low, 64);
+  std::memcpy(bh, h.high, 64);
+  float l[16], u[16];
+  for (int i = 0; i < 16; ++i) {
+    l[i] = (float)((run[i] & 15) | (bl[i] >> j & 16)) - 16.0f;
+    u[i] = (float)((run[i] >> 4) | (bh[i] >> (j + 12) & 16)) - 16.0f;
+  }
+  std::memcpy(lo, l, 64);
+  std::memcpy(hi, u, 64);
+#endif
   emit(j, lo);
   emit(j + 16, hi);
 }
@@ -593,8 +665,9 @@ void matmul_tiles(const float* x, int64_t ldx, const float* xsum, int64_t xld, c
       for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(blk + PREFETCH + l);
       vn part[CH][R][DC] = {};
       const float* xb = x + b * 32;
+      const auto state = T::state(blk);
       for (int j = 0; j < T::RUNS; ++j)
-        T::columns(blk + 16 * T::HEAD + 16 * j, j, [&](int col, const vn* v) {
+        T::columns(state, blk + 16 * T::HEAD + 16 * j, j, [&](int col, const vn* v) {
           for (int r = 0; r < R; ++r) {
             const float xv = xb[r * ldx + col];
             for (int c = 0; c < DC; ++c) part[j % CH][r][c] += v[c] * xv;
@@ -707,6 +780,7 @@ void dispatch(int64_t format, F&& f) {
     case 30: f(BF16{}); break;
     case 2002: f(Q4_0x16{}); break;
     case 2003: f(Q4_1x16{}); break;
+    case 2006: f(Q5_0x16{}); break;
     case 1008: f(I8{}); break;
     case 1032: f(I4<32>{}); break;
     case 1064: f(I4<64>{}); break;

@@ -37,10 +37,12 @@ FORMATS: dict[int, tuple[str, int, int, int]] = {
     # GGUF types in tiles of 16 rows (tile_rows): 2000 + the GGML type, the same bytes in another order
     2002: ("Q4_0", 32, 18, 0),
     2003: ("Q4_1", 32, 20, 0),
+    2006: ("Q5_0", 32, 22, 0),
 }
 
-#: GGML type -> bytes of its block head (float16 d, then m) for the types :func:`tile_rows` tiles
-TILED_HEADS: dict[int, int] = {2: 2, 3: 4}
+#: GGML type -> bytes of its block head (float16 d, then m or Q5_0's 32-bit mask) for the types
+#: :func:`tile_rows` tiles
+TILED_HEADS: dict[int, int] = {2: 2, 3: 4, 6: 6}
 #: tiled formats: format -> rows per tile
 TILED: dict[int, int] = {2000 + t: 16 for t in TILED_HEADS}
 
@@ -120,10 +122,11 @@ class PackedWeight:
 
 
 def tile_rows(weight: PackedWeight) -> PackedWeight:
-    """``weight`` with its Q4_0 and Q4_1 segments (of a multiple of 16 rows) in tiles of 16 rows
+    """``weight`` with its Q4_0, Q4_1 and Q5_0 segments (of a multiple of 16 rows) in tiles of 16 rows
     (format 2000 + the GGML type).
 
-    Per block of 32 columns a tile holds the 16 rows' float16 d (then their float16 m, Q4_1), then
+    Per block of 32 columns a tile holds the 16 rows' head fields (float16 d, then Q4_1's float16 m or
+    Q5_0's 32-bit mask of 5th bits as two 2-byte fields), then
     byte j of each row's values for every j: the bytes of 16 GGUF blocks in another order, so that
     a one-row product decodes 16 rows' values per instruction (1.4-1.8x faster). The values,
     ``dequantize`` and embedding lookups are unchanged. File-mapped sources are released once
