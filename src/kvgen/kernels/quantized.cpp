@@ -889,24 +889,31 @@ inline V vtanh(V x) {
 }
 
 // x (rows, D) float32 contiguous -> x / sqrt(mean(x^2) + eps) * weight, one pass per row
-// y = x * rsqrt(mean(x^2) + eps) * w over D values (y may be x)
-inline void rms_row(const float* x, const float* w, int64_t D, double eps, float* y) {
+// y = x * rsqrt(mean(x^2) + eps) * (w + offset) over D values (y may be x); Gemma's norms scale by
+// 1 + w, rounded as its modules round it
+inline void rms_row(const float* x, const float* w, int64_t D, double eps, float* y, float offset = 0.0f) {
   double ss = 0.0;
   for (int64_t j = 0; j < D; ++j) ss += (double)x[j] * x[j];
   const float scale = 1.0f / std::sqrt((float)(ss / D) + (float)eps);
-  for (int64_t j = 0; j < D; ++j) y[j] = x[j] * scale * w[j];
+  for (int64_t j = 0; j < D; ++j) {
+    float wj = w[j] + offset;
+    asm("" : "+x"(wj));  // rounded, as 1 + weight
+    y[j] = x[j] * scale * wj;
+  }
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && weight.scalar_type() == at::kFloat &&
               weight.is_contiguous() && x.size(-1) == weight.numel(), "kvgen: rms_norm takes contiguous float32");
   const int64_t D = weight.numel(), rows = x.numel() / D;
   at::Tensor y = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) rms_row(xp + r * D, wp, D, eps, yp + r * D);
+  for (int64_t r = 0; r < rows; ++r) rms_row(xp + r * D, wp, D, eps, yp + r * D, (float)offset);
   return y;
 }
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_offset(x, weight, eps, 0.0); }
 
 // -- attention ------------------------------------------------------------------------------------
 //
@@ -1378,7 +1385,8 @@ std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::
                                                  at::TensorList ws, at::IntArrayRef formats, const at::Tensor& cos,
                                                  const at::Tensor& sin, int64_t H, int64_t Hkv,
                                                  const c10::optional<at::Tensor>& q_norm,
-                                                 const c10::optional<at::Tensor>& k_norm, double head_eps) {
+                                                 const c10::optional<at::Tensor>& k_norm, double head_eps,
+                                                 double offset) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
               cos.size(1) == x.size(1) && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "kvgen: decoder_attention_inputs takes x (B, T, hidden) and float32 cos/sin (B, T, D)");
@@ -1387,7 +1395,7 @@ std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::
   for (const auto* n : {&q_norm, &k_norm})
     TORCH_CHECK(!n->has_value() || ((*n)->numel() == D && (*n)->is_contiguous() && (*n)->scalar_type() == at::kFloat),
                 "kvgen: a head norm holds D float32 weights");
-  const at::Tensor qkv = qmatmul(rms_norm(x.contiguous(), norm, eps).view({R, x.size(2)}), ws, formats);  // (R, (H + 2 Hkv) D)
+  const at::Tensor qkv = qmatmul(rms_norm_offset(x.contiguous(), norm, eps, offset).view({R, x.size(2)}), ws, formats);  // (R, (H + 2 Hkv) D)
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "kvgen: the q/k/v product has ", qkv.size(1), " features, not (",
               H, " + 2 * ", Hkv, ") * ", D);
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
@@ -1413,7 +1421,7 @@ std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::
         }
         const float* head_norm = h < H ? qn : kn;
         if (head_norm != nullptr) {
-          rms_row(in, head_norm, D, head_eps, normed.data());
+          rms_row(in, head_norm, D, head_eps, normed.data(), (float)offset);
           in = normed.data();
         }
         for (int64_t j = 0; j < runs; ++j) {  // rolled by D / 2: run j reads run (j + half) mod runs
@@ -1434,27 +1442,29 @@ void add_into(at::Tensor& y, const at::Tensor& x) {
   for (int64_t i = 0; i < y.numel(); ++i) yp[i] = xp[i] + yp[i];
 }
 
-// y = rms_norm(y) in place where a norm is given
-void maybe_norm(at::Tensor& y, const c10::optional<at::Tensor>& norm, double eps) {
-  if (norm.has_value()) y = rms_norm(y, *norm, eps);
+// y = rms_norm(y) where a norm is given
+void maybe_norm(at::Tensor& y, const c10::optional<at::Tensor>& norm, double eps, double offset) {
+  if (norm.has_value()) y = rms_norm_offset(y, *norm, eps, offset);
 }
 
 // h = x + post_attention(attn @ o^T); out = h + post_feedforward((act(g) * u) @ down^T) with
 // [g, u] = pre_feedforward(h) @ gate_up^T. act: 0 SiLU, 1 GELU (tanh). The post norms are Gemma's
-// sandwich norms (absent for Llama). x (B, T, hidden) and attn (B, T, H * D), B * T <= 8 rows.
+// sandwich norms (absent for Llama); every norm scales by weight + offset (Gemma: 1). x (B, T,
+// hidden) and attn (B, T, H * D), B * T <= 8 rows.
 at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorList o, at::IntArrayRef o_formats,
                        const c10::optional<at::Tensor>& post_attention, const at::Tensor& pre_feedforward,
                        const c10::optional<at::Tensor>& post_feedforward, double eps, at::TensorList gate_up,
-                       at::IntArrayRef gate_up_formats, at::TensorList down, at::IntArrayRef down_formats, int64_t act) {
+                       at::IntArrayRef gate_up_formats, at::TensorList down, at::IntArrayRef down_formats, int64_t act,
+                       double offset) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "kvgen: decoder_mlp takes x (B, T, hidden) float32");
   TORCH_CHECK(act == 0 || act == 1, "kvgen: decoder_mlp's activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
   const int64_t R = x.size(0) * x.size(1), hidden = x.size(2);
   const at::Tensor xc = x.contiguous();
   at::Tensor h = qmatmul(attn.reshape({R, attn.size(-1)}).contiguous(), o, o_formats);  // (R, hidden)
   TORCH_CHECK(h.size(1) == hidden, "kvgen: o has ", h.size(1), " rows, the hidden size is ", hidden);
-  maybe_norm(h, post_attention, eps);
+  maybe_norm(h, post_attention, eps, offset);
   add_into(h, xc);
-  const at::Tensor gu = qmatmul(rms_norm(h, pre_feedforward, eps), gate_up, gate_up_formats);  // (R, 2 I)
+  const at::Tensor gu = qmatmul(rms_norm_offset(h, pre_feedforward, eps, offset), gate_up, gate_up_formats);  // (R, 2 I)
   const int64_t I = gu.size(1) / 2;
   at::Tensor m = at::empty({R, I}, x.options());
   const float* g = gu.data_ptr<float>();
@@ -1473,7 +1483,7 @@ at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorLi
       mp[r * I + j] = a * u;
     }
   at::Tensor out = qmatmul(m, down, down_formats);
-  maybe_norm(out, post_feedforward, eps);
+  maybe_norm(out, post_feedforward, eps, offset);
   add_into(out, h);
   return out.view(x.sizes());
 }
@@ -1484,10 +1494,10 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");
   m.def("decoder_attention_inputs(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] formats, Tensor cos, "
-        "Tensor sin, int heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, float head_eps) -> Tensor[]");
+        "Tensor sin, int heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, float head_eps, float offset) -> Tensor[]");
   m.def("decoder_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor? post_attention, "
         "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
-        "Tensor[] down, int[] down_formats, int act) -> Tensor");
+        "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {

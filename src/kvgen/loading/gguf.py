@@ -21,7 +21,7 @@ from gguf import GGUFReader, GGUFValueType, GGMLQuantizationType as Q
 from gguf.quants import dequantize as _numpy_dequantize
 from tqdm.auto import tqdm
 
-from kvgen.models.packed import FORMATS, PackedWeight, can_pack
+from kvgen.models.packed import FORMATS, PackedWeight, can_pack, release_file_pages
 
 # -- reading ---------------------------------------------------------------------------------------
 
@@ -337,7 +337,11 @@ def _unpermute(w, n_head: int):
     rows = w.shape[0]
     # output row i is stored row index[i]: (n_head, rows / n_head / 2, 2) -> (n_head, 2, rows / n_head / 2)
     index = torch.arange(rows).reshape(n_head, -1, 2).transpose(1, 2).reshape(rows)
-    return w.permute_rows(index) if isinstance(w, PackedWeight) else w[index]
+    if not isinstance(w, PackedWeight):
+        return w[index]
+    permuted = w.permute_rows(index)
+    release_file_pages([data for _, data in w.segments])  # read once into the copy: not kept resident
+    return permuted
 
 
 def _packed(tensor: Any) -> PackedWeight | None:

@@ -43,17 +43,15 @@ class GemmaRMSNorm(nn.Module):
         [[1.0, -1.0, 1.0, -1.0]]
     """
 
+    offset = 1.0  # scales by weight + offset
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def scale(self) -> torch.Tensor:
-        """What the normalised values are multiplied by: ``1 + weight``."""
-        return 1.0 + self.weight.float()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.scale()
+        scale = self.offset + self.weight.float()
         if x.dtype == torch.float32:
             return native.rms_norm(x, scale, self.eps)
         y = x.float()

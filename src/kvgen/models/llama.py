@@ -28,14 +28,12 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
 
 
 class RMSNorm(nn.Module):
+    offset = 0.0  # scales by weight + offset (Gemma's norms: 1)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def scale(self) -> torch.Tensor:
-        """What the normalised values are multiplied by."""
-        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel (float32 rounding aside, the same as below)

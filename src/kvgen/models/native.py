@@ -99,17 +99,19 @@ def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch
                              k_norm: torch.nn.Module | None = None) -> list[torch.Tensor] | None:
     """``q, k, v`` of a decode step as one C++ op (``kvgen::decoder_attention_inputs``): ``norm(x)``,
     the fused q/k/v product ``proj`` on stored-precision weights, the optional per-head norms, rotary
-    on every query and key channel. Norms are RMSNorm modules with ``scale()`` and ``eps``. None
+    on every query and key channel. Norms are RMSNorm modules with ``weight``, ``eps`` and ``offset``
+    (they scale by ``weight + offset``; one offset for all of a model's norms). None
     where it does not apply (more than ``MAX_ROWS`` rows, float weights, biases, partial rotary):
     then the caller runs its modules."""
     head_dim = cos.shape[-1]
     if not (_native(x, x.shape[0] * x.shape[1]) and _packed(proj) and cos.dtype == torch.float32
+            and norm.weight.dtype == torch.float32
             and head_dim % 32 == 0 and head_dim * (heads + 2 * kv_heads) == proj.out_features):
         return None
     return torch.ops.kvgen.decoder_attention_inputs(
-        x, norm.scale(), norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads,
-        None if q_norm is None else q_norm.scale(), None if k_norm is None else k_norm.scale(),
-        0.0 if q_norm is None else q_norm.eps)
+        x, norm.weight, norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads,
+        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
+        0.0 if q_norm is None else q_norm.eps, norm.offset)
 
 
 def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pre_norm: torch.nn.Module,
@@ -120,10 +122,11 @@ def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pr
     :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
     for Llama). None where it does not apply."""
     act = ACTIVATION_CODES.get(mlp.act_name)
-    if act is None or not (_native(x, x.shape[0] * x.shape[1])
+    if act is None or pre_norm.weight.dtype != torch.float32 or not (_native(x, x.shape[0] * x.shape[1])
                            and _packed(o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return None
     return torch.ops.kvgen.decoder_mlp(
-        x, attn, o_proj._segments, o_proj.formats, None if post_attention is None else post_attention.scale(),
-        pre_norm.scale(), None if post_feedforward is None else post_feedforward.scale(), pre_norm.eps,
-        mlp.gate_up_proj._segments, mlp.gate_up_proj.formats, mlp.down_proj._segments, mlp.down_proj.formats, act)
+        x, attn, o_proj._segments, o_proj.formats, None if post_attention is None else post_attention.weight,
+        pre_norm.weight, None if post_feedforward is None else post_feedforward.weight, pre_norm.eps,
+        mlp.gate_up_proj._segments, mlp.gate_up_proj.formats, mlp.down_proj._segments, mlp.down_proj.formats, act,
+        pre_norm.offset)
