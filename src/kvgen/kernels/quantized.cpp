@@ -87,24 +87,17 @@ inline vi toi(vb v) {
   std::memcpy(&r, h, 64);
   return r;
 }
-inline vf tof(vb v) {
+template <class Widen>  // Widen: 8 bytes -> 8 int32 lanes
+inline vf tof_halves(const void* v, Widen widen) {
   __m128i b;
-  std::memcpy(&b, &v, 16);
-  const __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)),
-                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b)))};
+  std::memcpy(&b, v, 16);
+  const __m256 h[2] = {_mm256_cvtepi32_ps(widen(b)), _mm256_cvtepi32_ps(widen(_mm_unpackhi_epi64(b, b)))};
   vf r;
   std::memcpy(&r, h, 64);
   return r;
 }
-inline vf tof(vsb v) {
-  __m128i b;
-  std::memcpy(&b, &v, 16);
-  const __m256 h[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
-                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)))};
-  vf r;
-  std::memcpy(&r, h, 64);
-  return r;
-}
+inline vf tof(vb v) { return tof_halves(&v, [](__m128i b) { return _mm256_cvtepu8_epi32(b); }); }
+inline vf tof(vsb v) { return tof_halves(&v, [](__m128i b) { return _mm256_cvtepi8_epi32(b); }); }
 #endif
 inline float f16(const uint8_t* p) {
   uint16_t h;
