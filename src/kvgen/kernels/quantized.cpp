@@ -9,7 +9,9 @@
 // bit for bit. qmatmul decodes each block once and, for up to 8 input rows, accumulates
 // d * sum(q * x) + m * sum(x) per group in 16-lane float32 accumulators (fused multiply-adds):
 // one pass over the stored bytes, fewer operations per weight than dequantizing first, and
-// the float32 dot product up to rounding order.
+// the float32 dot product up to rounding order. Q4_0, Q4_1 and Q5_0 weights in tiles of 16 rows
+// (formats 2000 + type) put 16 rows' values in the lanes instead (matmul_tiles). The decoder ops
+// at the end run a decode step's layer around these products.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

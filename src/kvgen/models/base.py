@@ -269,7 +269,7 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
     for name, weight in packed.items():
         module_name = name.removesuffix(".weight")
         original = model.get_submodule(module_name)
-        weight = tile_rows(weight)  # Q4_0 / Q4_1 in tiles of 16 rows for the one-row product
+        weight = tile_rows(weight)  # Q4_0 / Q4_1 / Q5_0 in tiles of 16 rows for the one-row product
         for holder in sharing[id(original.weight)]:
             module = model.get_submodule(holder)
             if isinstance(module, nn.Embedding):

@@ -122,8 +122,8 @@ def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pr
     :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
     for Llama). None where it does not apply."""
     act = ACTIVATION_CODES.get(mlp.act_name)
-    if act is None or pre_norm.weight.dtype != torch.float32 or not (_native(x, x.shape[0] * x.shape[1])
-                           and _packed(o_proj, mlp.gate_up_proj, mlp.down_proj)):
+    if (act is None or pre_norm.weight.dtype != torch.float32 or not _native(x, x.shape[0] * x.shape[1])
+            or not _packed(o_proj, mlp.gate_up_proj, mlp.down_proj)):
         return None
     return torch.ops.kvgen.decoder_mlp(
         x, attn, o_proj._segments, o_proj.formats, None if post_attention is None else post_attention.weight,

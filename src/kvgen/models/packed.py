@@ -4,8 +4,9 @@ A packed weight is an (out_features, in_features) matrix stored as row segments,
 (rows, row_bytes) uint8 tensor in one format: a GGUF block type (Q4_0 ... Q6_K, F16, BF16)
 or one of kvgen's load-time formats (int8 rows with a scale each, int4 groups of 32/64/128).
 Fused projections keep one segment per stored part (q, k and v; gate and up), read where the
-file holds them (no copy), whatever their formats (Gemma 3's q/k in Q5_0, v in Q8_0).
-``kvgen.kernels`` multiplies and dequantizes them.
+file holds them (no copy), whatever their formats (Gemma 3's q/k in Q5_0, v in Q8_0); models
+keep Q4_0, Q4_1 and Q5_0 in tiles of 16 rows instead (:func:`tile_rows`, a copy in another
+order). ``kvgen.kernels`` multiplies and dequantizes them.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def tile_rows(weight: PackedWeight) -> PackedWeight:
     Per block of 32 columns a tile holds the 16 rows' head fields (float16 d, then Q4_1's float16 m or
     Q5_0's 32-bit mask of 5th bits as two 2-byte fields), then
     byte j of each row's values for every j: the bytes of 16 GGUF blocks in another order, so that
-    a one-row product decodes 16 rows' values per instruction (1.4-1.8x faster). The values,
+    a one-row product decodes 16 rows' values per instruction (1.3-1.8x faster). The values,
     ``dequantize`` and embedding lookups are unchanged. File-mapped sources are released once
     copied (:func:`release_file_pages`).
 
