@@ -311,29 +311,28 @@ struct I8 {
 // then float16 m where the format has one), then the value bytes in runs of 16: run j holds byte j
 // of the 16 rows' values, one row per lane. A tile block holds the bytes of 16 GGUF blocks. A
 // one-row product decodes 16 rows' values per instruction and multiplies them by one broadcast
-// input value: no per-row sums. columns(run, lanes, emit) calls emit(column, values) for the
-// columns whose values run j holds (DC native vectors of 16 rows). Q8_0 stays in rows: its
+// input value: no per-row sums. columns(state, run, j, emit) calls emit(column, values) for the
+// columns whose values run j holds (DC native vectors of 16 rows); state(block) is what columns
+// needs of a tile block beyond its run (Q5_0: the 16 rows' 5th bits). Q8_0 stays in rows: its
 // one-row product already streams at the memory's speed (22 GB/s, 2 threads), tiled it did not.
-// state(block) is what columns needs of a tile block beyond its run (Q5_0: the 16 rows' 5th bits).
 template <class G, int H>
 struct Tiled : G {
   static constexpr bool TILED = true;
-  static constexpr int TILE = 16, HEAD = H;  // head bytes per GGUF block
+  static constexpr int TILE = 16, HEAD = H, RUNS = G::BYTES - H;  // head bytes per GGUF block; runs of 16 bytes per tile block
   using Gguf = G;
   struct None {};
   static None state(const uint8_t*) { return {}; }
 };
 
-struct Q4_0x16 : Tiled<Q4_0, 2> {
-  static constexpr int RUNS = 16;
-  template <class E> static void columns(None, const uint8_t* run, int j, E&& emit);
+// 4-bit values, nibble + BASE: run j holds columns j (low nibbles) and j + 16 (high nibbles)
+template <class G, int H, int BASE>
+struct Nibbles16 : Tiled<G, H> {
+  template <class E> static void columns(typename Tiled<G, H>::None, const uint8_t* run, int j, E&& emit);
 };
-struct Q4_1x16 : Tiled<Q4_1, 4> {
-  static constexpr int RUNS = 16;
-  template <class E> static void columns(None, const uint8_t* run, int j, E&& emit);
-};
+using Q4_0x16 = Nibbles16<Q4_0, 2, -8>;
+using Q4_1x16 = Nibbles16<Q4_1, 4, 0>;
+
 struct Q5_0x16 : Tiled<Q5_0, 6> {  // head: d, then the 32-bit mask of 5th bits as two 2-byte fields
-  static constexpr int RUNS = 16;
   struct High { vn low[DC], high[DC]; };  // each row's mask << 4 (bits 0-15 used), and the mask itself
   static High state(const uint8_t* blk);
   template <class E> static void columns(const High& h, const uint8_t* run, int j, E&& emit);
@@ -567,15 +566,11 @@ inline void nibbles16(const uint8_t* p, float base, vn* lo, vn* hi) {
 #endif
 }
 
-template <class E> void Q4_0x16::columns(None, const uint8_t* run, int j, E&& emit) {  // columns j and j + 16
+template <class G, int H, int BASE>
+template <class E>
+void Nibbles16<G, H, BASE>::columns(typename Tiled<G, H>::None, const uint8_t* run, int j, E&& emit) {
   vn lo[DC], hi[DC];
-  nibbles16(run, -8.0f, lo, hi);
-  emit(j, lo);
-  emit(j + 16, hi);
-}
-template <class E> void Q4_1x16::columns(None, const uint8_t* run, int j, E&& emit) {
-  vn lo[DC], hi[DC];
-  nibbles16(run, 0.0f, lo, hi);
+  nibbles16(run, (float)BASE, lo, hi);
   emit(j, lo);
   emit(j + 16, hi);
 }
@@ -883,20 +878,16 @@ inline V vtanh(V x) {
   return a < 0.625f ? small : (x < 0.0f ? -big : big);
 }
 
-// x (rows, D) float32 contiguous -> x / sqrt(mean(x^2) + eps) * weight, one pass per row
 // y = x * rsqrt(mean(x^2) + eps) * (w + offset) over D values (y may be x); Gemma's norms scale by
-// 1 + w, rounded as its modules round it
+// 1 + w, rounded as its modules round it (a sum before products: nothing to fuse)
 inline void rms_row(const float* x, const float* w, int64_t D, double eps, float* y, float offset = 0.0f) {
   double ss = 0.0;
   for (int64_t j = 0; j < D; ++j) ss += (double)x[j] * x[j];
   const float scale = 1.0f / std::sqrt((float)(ss / D) + (float)eps);
-  for (int64_t j = 0; j < D; ++j) {
-    float wj = w[j] + offset;
-    asm("" : "+x"(wj));  // rounded, as 1 + weight
-    y[j] = x[j] * scale * wj;
-  }
+  for (int64_t j = 0; j < D; ++j) y[j] = x[j] * scale * (w[j] + offset);
 }
 
+// x (rows, D) float32 contiguous -> x / sqrt(mean(x^2) + eps) * (weight + offset), one pass per row
 at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && weight.scalar_type() == at::kFloat &&
               weight.is_contiguous() && x.size(-1) == weight.numel(), "kvgen: rms_norm takes contiguous float32");

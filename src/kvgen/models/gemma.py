@@ -26,7 +26,7 @@ from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
 from kvgen.models.linear import Linear
-from kvgen.models.llama import LlamaForCausalLM
+from kvgen.models.llama import LlamaForCausalLM, attention_inputs
 from kvgen.outputs import CausalLMOutputWithPast
 from kvgen.rope import RotaryEmbedding, apply_rotary
 
@@ -158,14 +158,9 @@ class GemmaDecoderLayer(nn.Module):
         return _finish_layer(self, x, self.self_attn.attend(q, k, v, masks, cache, cache_kwargs))
 
 
-@decode_block
+@decode_block  # Llama's body in a compiled block of Gemma's own
 def _attention_inputs(layer: GemmaDecoderLayer, x, cos, sin):
-    attn = layer.self_attn  # stored-precision weights: one C++ op (same arithmetic) where it applies
-    fused = native.decoder_attention_inputs(x, layer.input_layernorm, attn.qkv_proj, cos, sin, attn.num_heads,
-                                            attn.num_kv_heads, attn.q_norm, attn.k_norm)
-    if fused is not None:
-        return fused
-    return attn.project(layer.input_layernorm(x), cos, sin)
+    return attention_inputs(layer, x, cos, sin)
 
 
 @decode_block

@@ -119,14 +119,19 @@ class DecoderLayer(nn.Module):
         return _finish_layer(self, x, self.self_attn.attend(q, k, v, masks, cache, cache_kwargs))
 
 
-@decode_block
-def _attention_inputs(layer: DecoderLayer, x, cos, sin):
+def attention_inputs(layer, x, cos, sin):
+    """``q, k, v`` of a layer with ``input_layernorm`` and ``self_attn`` (Llama family, Gemma)."""
     attn = layer.self_attn  # stored-precision weights: one C++ op (same arithmetic) where it applies
     fused = native.decoder_attention_inputs(x, layer.input_layernorm, attn.qkv_proj, cos, sin, attn.num_heads,
                                             attn.num_kv_heads, attn.q_norm, attn.k_norm)
     if fused is not None:
         return fused
     return attn.project(layer.input_layernorm(x), cos, sin)
+
+
+@decode_block  # its own code object, so that each model file's compiled graphs stay apart
+def _attention_inputs(layer: DecoderLayer, x, cos, sin):
+    return attention_inputs(layer, x, cos, sin)
 
 
 @decode_block

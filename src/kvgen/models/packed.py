@@ -169,31 +169,44 @@ def cat_rows(parts: list) -> torch.Tensor | PackedWeight:
     return PackedWeight([segment for part in parts for segment in part.segments], parts[0].in_features)
 
 
+_file_mappings: list[tuple[int, int]] = []  # (start, end) of this process's file-backed mappings, as last read
+
+
+def _in_file_mapping(lo: int, hi: int) -> bool:
+    """Whether bytes lo..hi lie in one file-backed mapping (``/proc/self/maps``, read again on a miss)."""
+    for fresh in (False, True):
+        if fresh:
+            try:
+                maps = Path("/proc/self/maps").read_text().splitlines()
+            except OSError:
+                return False
+            _file_mappings[:] = [tuple(int(a, 16) for a in f[0].split("-")) for f in map(str.split, maps)
+                                 if len(f) >= 6 and f[4] != "0" and f[5].startswith("/")]
+        if any(start <= lo and hi <= end for start, end in _file_mappings):
+            return True
+    return False
+
+
 def release_file_pages(tensors: list[torch.Tensor]) -> None:
     """Drop the pages of file-mapped ``tensors`` from this process (``madvise(MADV_DONTNEED)``, Linux).
 
     For sources that a copy replaced (:func:`tile_rows` of a GGUF's mapped weights): reading them
     made their pages resident, and they would stay counted in this process's memory while the file
     stays mapped. The file keeps its bytes (a later read faults them in again). Tensors outside
-    file mappings (anonymous memory, whose pages this would zero) are left alone.
+    file mappings (anonymous memory, whose pages this would zero) are left alone; memory torch
+    allocated itself (a resizable storage) is never looked up.
     """
+    tensors = [t for t in tensors if not t.untyped_storage().resizable()]
     if not tensors:
         return
     try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):
         return
-    files = []  # (start, end) of file-backed mappings
-    for line in maps:
-        fields = line.split()
-        if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
-            start, end = (int(a, 16) for a in fields[0].split("-"))
-            files.append((start, end))
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for t in tensors:
         lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        if any(start <= lo and hi <= end for start, end in files):
+        if _in_file_mapping(lo, hi):
             first, last = -(-lo // mmap.PAGESIZE) * mmap.PAGESIZE, hi // mmap.PAGESIZE * mmap.PAGESIZE  # whole pages only
             if last > first:
                 madvise(first, last - first, 4)  # MADV_DONTNEED
