@@ -45,13 +45,13 @@ def random_raw(qtype, rows, cols, seed=0) -> np.ndarray:
 
 def check_against_gguf(raw: np.ndarray, qtype, cols: int) -> None:
     """dequantize_ equals gguf bit for bit; qmatmul (1, 3, 8 and 11 rows) equals x @ W.T up to summation
-    order. The same in tiles of 16 rows (the layout models keep Q4_0, Q4_1 and Q5_0 in), and embedding
+    order. The same in tiles of 16 rows (the layout models keep Q4_0, Q4_1, Q5_0, Q4_K and Q6_K in), and embedding
     lookups of either layout."""
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(raw.shape[0], cols))
     weight = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)))], cols)
     tiled = tile_rows(weight)
     is_tiled = tiled.segments[0][0] != int(qtype)
-    assert is_tiled == (qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0) and raw.shape[0] % 16 == 0)
+    assert is_tiled == (qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K) and raw.shape[0] % 16 == 0)
     for w in (weight, tiled) if is_tiled else (weight,):
         ((format, data),) = w.segments
         assert torch.equal(w.dequantize(), expected)

@@ -76,7 +76,25 @@ inline vf loadf(const float* p) {
   std::memcpy(&v, p, 64);
   return v;
 }
-#if defined(__AVX512F__) || !defined(__AVX2__)
+#if defined(__AVX512F__)  // GCC may scalarise __builtin_convertvector from bytes: widen with one instruction
+inline vi toi(vb v) {
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m512i w = _mm512_cvtepu8_epi32(b);
+  vi r;
+  std::memcpy(&r, &w, 64);
+  return r;
+}
+inline vf tof(vb v) { return __builtin_convertvector(toi(v), vf); }
+inline vf tof(vsb v) {
+  __m128i b;
+  std::memcpy(&b, &v, 16);
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  vf r;
+  std::memcpy(&r, &f, 64);
+  return r;
+}
+#elif !defined(__AVX2__)
 inline vi toi(vb v) { return __builtin_convertvector(v, vi); }
 inline vf tof(vb v) { return __builtin_convertvector(toi(v), vf); }  // via int32: direct is scalarised
 inline vf tof(vsb v) { return __builtin_convertvector(toi((vb)v ^ 0x80) - 128, vf); }  // int8 via uint8: direct is scalarised
@@ -307,14 +325,18 @@ struct I8 {
 };
 
 // GGUF blocks in tiles of 16 rows (kvgen.models.packed.tile_rows), format 2000 + the GGML type: for
-// each block of 32 columns, the 16 rows' 2-byte head fields one field after the other (float16 d,
-// then float16 m where the format has one), then the value bytes in runs of 16: run j holds byte j
-// of the 16 rows' values, one row per lane. A tile block holds the bytes of 16 GGUF blocks. A
-// one-row product decodes 16 rows' values per instruction and multiplies them by one broadcast
-// input value: no per-row sums. columns(state, run, j, emit) calls emit(column, values) for the
-// columns whose values run j holds (DC native vectors of 16 rows); state(block) is what columns
-// needs of a tile block beyond its run (Q5_0: the 16 rows' 5th bits). Q8_0 stays in rows: its
-// one-row product already streams at the memory's speed (22 GB/s, 2 threads), tiled it did not.
+// each GGUF block of columns, the 16 rows' 2-byte head fields one field after the other (float16 d,
+// then float16 m where the format has one), then the rest of the block bytes in runs of 16: run j
+// holds byte j of the 16 rows' remaining bytes, one row per lane. A tile block holds the bytes of
+// 16 GGUF blocks. A one-row product decodes 16 rows' values per instruction and multiplies them
+// by one broadcast input value: no per-row sums. block<CH>(blk, emit, close) walks one tile block:
+// emit(slot, column, v) for the 16 rows' values v of each column, close(slot, count, d, m, group)
+// where the sums of slots slot..slot + count - 1 are done (the sums of a group of values sharing
+// a scale, in CH or more independent chains); SLOTS<CH> slots in all. For 32-value blocks with
+// one scale (block32): columns(state, run, j, emit) calls emit(column, v) for the columns whose
+// values run j holds; state(block) is what columns needs of a tile block beyond its run (Q5_0:
+// the 16 rows' 5th bits). Q8_0 stays in rows: its one-row product already streams at the memory's
+// speed (22 GB/s, 2 threads), tiled it did not.
 template <class G, int H>
 struct Tiled : G {
   static constexpr bool TILED = true;
@@ -322,12 +344,14 @@ struct Tiled : G {
   using Gguf = G;
   struct None {};
   static None state(const uint8_t*) { return {}; }
+  template <int CH> static constexpr int SLOTS = CH;
 };
 
 // 4-bit values, nibble + BASE: run j holds columns j (low nibbles) and j + 16 (high nibbles)
 template <class G, int H, int BASE>
 struct Nibbles16 : Tiled<G, H> {
   template <class E> static void columns(typename Tiled<G, H>::None, const uint8_t* run, int j, E&& emit);
+  template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
 };
 using Q4_0x16 = Nibbles16<Q4_0, 2, -8>;
 using Q4_1x16 = Nibbles16<Q4_1, 4, 0>;
@@ -336,6 +360,20 @@ struct Q5_0x16 : Tiled<Q5_0, 6> {  // head: d, then the 32-bit mask of 5th bits 
   struct High { vn low[DC], high[DC]; };  // each row's mask << 4 (bits 0-15 used), and the mask itself
   static High state(const uint8_t* blk);
   template <class E> static void columns(const High& h, const uint8_t* run, int j, E&& emit);
+  template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
+};
+
+// head: d and dmin; runs 0-11: the 6-bit scales and mins (k_scales' bytes), runs 12-139: the nibbles
+struct Q4_Kx16 : Tiled<Q4_K, 4> {
+  template <int CH> static constexpr int SLOTS = 2 * std::max(1, CH / 2);  // two groups open at a time
+  template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
+};
+
+// no head (d is the last two bytes of a block): runs 0-127 the low 4 bits, 128-191 the high 2 bits,
+// 192-207 the int8 scales of the 16 groups of 16, 208-209 the bytes of d
+struct Q6_Kx16 : Tiled<Q6_K, 0> {
+  template <int CH> static constexpr int SLOTS = 4 * std::max(1, CH / 4);  // four groups open at a time
+  template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
 };
 
 template <class T>
@@ -369,7 +407,7 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
 template <class T>
 void dequantize_tiles(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, float* out, int64_t ld) {
   using G = typename T::Gguf;
-  const int64_t nb = K / 32, TB = 16 * G::BYTES;
+  const int64_t nb = K / G::QK, TB = 16 * G::BYTES;
   std::vector<uint8_t> rows(16 * nb * G::BYTES);  // one tile as 16 GGUF rows
   for (int64_t t = (n0 + 15) / 16; t * 16 < n1; ++t) {
     const uint8_t* tile = w + t * nb * TB;
@@ -576,6 +614,22 @@ void Nibbles16<G, H, BASE>::columns(typename Tiled<G, H>::None, const uint8_t* r
 }
 
 Q5_0x16::High Q5_0x16::state(const uint8_t* blk) {
+  High h;
+#if defined(__AVX512F__)
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+  const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
+  const __m512i high = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)), low = _mm512_slli_epi32(high, 4);
+  std::memcpy(h.low, &low, 64);
+  std::memcpy(h.high, &high, 64);
+#elif defined(__AVX2__)
+  for (int c = 0; c < 2; ++c) {
+    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * c)));
+    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + 16 * c)));
+    const __m256i high = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)), low = _mm256_slli_epi32(high, 4);
+    std::memcpy(h.low + c, &low, 32);
+    std::memcpy(h.high + c, &high, 32);
+  }
+#else
   uint32_t low[16], high[16];
   for (int i = 0; i < 16; ++i) {
     uint16_t lo, hi;
@@ -584,9 +638,9 @@ Q5_0x16::High Q5_0x16::state(const uint8_t* blk) {
     high[i] = (uint32_t)lo | (uint32_t)hi << 16;
     low[i] = high[i] << 4;
   }
-  High h;
   std::memcpy(h.low, low, 64);
   std::memcpy(h.high, high, 64);
+#endif
   return h;
 }
 
@@ -638,50 +692,136 @@ template <class E> void Q5_0x16::columns(const High& h, const uint8_t* run, int 
   emit(j + 16, hi);
 }
 
-// y[r, 16 t + i] for tiles t0..t1 of a tiled weight and R rows of x (R <= 8): per block, the 16
-// rows' sum(q * x) in lanes (CH independent chains: one chain of 32 dependent multiply-adds would
-// wait on their latency), then d * that (+ m * sum(x)) per row
+// 16 float16 values (2 bytes each, one after the other) to float32 lanes
+inline vf f16_fields(const void* p) {
+  uint16_t h[16];
+  std::memcpy(h, p, 32);
+  float f[16];
+  f16x16(h, f);
+  return loadf(f);
+}
+
+inline void to_lanes(const vf& v, vn* out) { std::memcpy(out, &v, 64); }
+
+// 32-value blocks with one float16 d (and m) per row: every run's columns into CH chains
+template <class T, int CH, class E, class C>
+void block32(const uint8_t* blk, E&& emit, C&& close) {
+  const auto state = T::state(blk);
+  static_assert(T::RUNS % CH == 0);
+  for (int j0 = 0; j0 < T::RUNS; j0 += CH)
+#pragma GCC unroll 4
+    for (int u = 0; u < CH; ++u)  // slots known at compile time: the partial sums stay in registers
+      T::columns(state, blk + 16 * T::HEAD + 16 * (j0 + u), j0 + u, [&](int col, const vn* v) { emit(u, col, v); });
+  vn d[DC], m[DC] = {};
+  to_lanes(f16_fields(blk), d);
+  if constexpr (T::HAS_MIN) to_lanes(f16_fields(blk + 32), m);
+  close(0, CH, d, m, 0);
+}
+
+template <class G, int H, int BASE>
+template <int CH, class E, class C>
+void Nibbles16<G, H, BASE>::block(const uint8_t* blk, E&& emit, C&& close) {
+  block32<Nibbles16, CH>(blk, emit, close);
+}
+
+template <int CH, class E, class C>
+void Q5_0x16::block(const uint8_t* blk, E&& emit, C&& close) {
+  block32<Q5_0x16, CH>(blk, emit, close);
+}
+
+template <int CH, class E, class C>
+void Q4_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
+  constexpr int S = SLOTS<CH> / 2;
+  const uint8_t* run = blk + 64;  // 16 rows' d, then dmin, before the runs
+  const vf dd = f16_fields(blk), dmin = f16_fields(blk + 32);
+  vi sc[12];  // k_scales' 12 bytes of the 16 rows
+  for (int j = 0; j < 12; ++j) sc[j] = toi(load16(run + 16 * j));
+  vn d[8][DC], m[8][DC];  // as k_scales, 16 rows at a time (the min negated)
+  for (int j = 0; j < 4; ++j) {
+    to_lanes(dd * __builtin_convertvector(sc[j] & 0x3F, vf), d[j]);
+    to_lanes(-(dmin * __builtin_convertvector(sc[j + 4] & 0x3F, vf)), m[j]);
+    to_lanes(dd * __builtin_convertvector((sc[j + 8] & 0x0F) | ((sc[j] >> 2) & 0x30), vf), d[j + 4]);
+    to_lanes(-(dmin * __builtin_convertvector((sc[j + 8] >> 4) | ((sc[j + 4] >> 2) & 0x30), vf)), m[j + 4]);
+  }
+  for (int c = 0; c < 4; ++c) {  // byte i of chunk c: value 64 c + i (low nibble), 64 c + 32 + i (high)
+    for (int i0 = 0; i0 < 32; i0 += S)
+#pragma GCC unroll 4
+      for (int u = 0; u < S; ++u) {  // slots known at compile time: the partial sums stay in registers
+        const int i = i0 + u;
+        vn lo[DC], hi[DC];
+        nibbles16(run + 16 * (12 + 32 * c + i), 0.0f, lo, hi);
+        emit(u, 64 * c + i, lo);
+        emit(S + u, 64 * c + 32 + i, hi);
+      }
+    close(0, S, d[2 * c], m[2 * c], 2 * c);
+    close(S, S, d[2 * c + 1], m[2 * c + 1], 2 * c + 1);
+  }
+}
+
+template <int CH, class E, class C>
+void Q6_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
+  constexpr int S = SLOTS<CH> / 4;
+  const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+  const vf dd = f16_fields(&bits);
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + l for l in 16 k .. 16 k + 15: group 8 h + 2 s + k
+      for (int l0 = 16 * k; l0 < 16 * k + 16; l0 += S)
+#pragma GCC unroll 4
+      for (int l = l0; l < l0 + S; ++l) {
+        const vi a = toi(load16(blk + 16 * (64 * h + l))), b = toi(load16(blk + 16 * (64 * h + 32 + l)));
+        const vi hb = toi(load16(blk + 16 * (128 + 32 * h + l)));
+        const vi q[4] = {(a & 0x0F) | ((hb & 3) << 4), (b & 0x0F) | (((hb >> 2) & 3) << 4),
+                         (a >> 4) | (((hb >> 4) & 3) << 4), (b >> 4) | ((hb >> 6) << 4)};
+        for (int s = 0; s < 4; ++s) {
+          vn v[DC];
+          to_lanes(__builtin_convertvector(q[s], vf) - 32.0f, v);
+          emit(s * S + l - l0, 128 * h + 32 * s + l, v);
+        }
+      }
+      for (int s = 0; s < 4; ++s) {
+        const int g = 8 * h + 2 * s + k;
+        vn d[DC];
+        to_lanes(dd * tof((vsb)load16(blk + 16 * (192 + g))), d);
+        close(s * S, S, d, d, g);
+      }
+    }
+}
+
+// y[r, 16 t + i] for tiles t0..t1 of a tiled weight and R rows of x (R <= 8): per group, the 16
+// rows' sum(q * x) in lanes (in CH independent chains where there are few rows: one chain of 32
+// dependent multiply-adds would wait on their latency), then d * that (+ m * sum(x)) per row
 template <class T, int R>
-void matmul_tiles(const float* x, int64_t ldx, const float* xsum, int64_t xld, const uint8_t* w, int64_t t0,
+__attribute__((noinline)) void matmul_tiles(const float* x, int64_t ldx, const float* xsum, int64_t xld, const uint8_t* w, int64_t t0,
                   int64_t t1, int64_t K, float* y, int64_t ldy) {
-  constexpr int CH = R >= 4 ? 1 : 4 / R;
+  constexpr int CH = R >= 4 ? 1 : 4 / R, SLOTS = T::template SLOTS<CH>;
+  constexpr int QK = T::Gguf::QK, GROUPS = QK / T::GROUP;
   constexpr int64_t TB = 16 * T::Gguf::BYTES;
-  const int64_t nb = K / 32;
+  const int64_t nb = K / QK;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * nb * TB;
     vn acc[R][DC] = {};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = tile + b * TB;
       for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(blk + PREFETCH + l);
-      vn part[CH][R][DC] = {};
-      const float* xb = x + b * 32;
-      const auto state = T::state(blk);
-      for (int j = 0; j < T::RUNS; ++j)
-        T::columns(state, blk + 16 * T::HEAD + 16 * j, j, [&](int col, const vn* v) {
-          for (int r = 0; r < R; ++r) {
-            const float xv = xb[r * ldx + col];
-            for (int c = 0; c < DC; ++c) part[j % CH][r][c] += v[c] * xv;
-          }
-        });
-      float d[16], m[16];
-      uint16_t h[16];
-      std::memcpy(h, blk, 32);
-      f16x16(h, d);
-      if constexpr (T::HAS_MIN) {
-        std::memcpy(h, blk + 32, 32);
-        f16x16(h, m);
-      }
-      for (int r = 0; r < R; ++r)
-        for (int c = 0; c < DC; ++c) {
-          vn sum = part[0][r][c], dv, mv;
-          for (int k = 1; k < CH; ++k) sum += part[k][r][c];
-          std::memcpy(&dv, d + c * LN, sizeof(vn));
-          acc[r][c] += dv * sum;
-          if constexpr (T::HAS_MIN) {
-            std::memcpy(&mv, m + c * LN, sizeof(vn));
-            acc[r][c] += mv * xsum[r * xld + b];
-          }
+      vn part[SLOTS][R][DC] = {};
+      const float* xb = x + b * QK;
+      auto emit = [&](int slot, int col, const vn* v) {
+        for (int r = 0; r < R; ++r) {
+          const float xv = xb[r * ldx + col];
+          for (int c = 0; c < DC; ++c) part[slot][r][c] += v[c] * xv;
         }
+      };
+      auto close = [&](int slot, int count, const vn* d, const vn* m, int g) {
+        for (int r = 0; r < R; ++r)
+          for (int c = 0; c < DC; ++c) {
+            vn sum = part[slot][r][c];
+            for (int k = 1; k < count; ++k) sum += part[slot + k][r][c];
+            for (int k = 0; k < count; ++k) part[slot + k][r][c] = vn{};
+            acc[r][c] += d[c] * sum;
+            if constexpr (T::HAS_MIN) acc[r][c] += m[c] * xsum[r * xld + b * GROUPS + g];
+          }
+      };
+      T::template block<CH>(blk, emit, close);
     }
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < DC; ++c) std::memcpy(y + r * ldy + 16 * t + c * LN, &acc[r][c], sizeof(vn));
@@ -771,6 +911,8 @@ void dispatch(int64_t format, F&& f) {
     case 2002: f(Q4_0x16{}); break;
     case 2003: f(Q4_1x16{}); break;
     case 2006: f(Q5_0x16{}); break;
+    case 2012: f(Q4_Kx16{}); break;
+    case 2014: f(Q6_Kx16{}); break;
     case 1008: f(I8{}); break;
     case 1032: f(I4<32>{}); break;
     case 1064: f(I4<64>{}); break;
@@ -1036,9 +1178,17 @@ __attribute__((noinline)) void tile_scores(const float* qt, int64_t Rp, const fl
 
 // the sums of 4 vectors' lanes
 inline void sum4(const vn* x, float* out) {
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
   __m256 v[4];
+#if defined(__AVX512F__)
+  for (int i = 0; i < 4; ++i) {  // the two halves of each 16 lanes added first
+    __m512 w;
+    std::memcpy(&w, x + i, 64);
+    v[i] = _mm256_add_ps(_mm512_castps512_ps256(w), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1)));
+  }
+#else
   std::memcpy(v, x, sizeof(v));
+#endif
   const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)));
 #else

@@ -5,7 +5,7 @@ A packed weight is an (out_features, in_features) matrix stored as row segments,
 or one of kvgen's load-time formats (int8 rows with a scale each, int4 groups of 32/64/128).
 Fused projections keep one segment per stored part (q, k and v; gate and up), read where the
 file holds them (no copy), whatever their formats (Gemma 3's q/k in Q5_0, v in Q8_0); models
-keep Q4_0, Q4_1 and Q5_0 in tiles of 16 rows instead (:func:`tile_rows`, a copy in another
+keep Q4_0, Q4_1, Q5_0, Q4_K and Q6_K in tiles of 16 rows instead (:func:`tile_rows`, a copy in another
 order). ``kvgen.kernels`` multiplies and dequantizes them.
 """
 
@@ -39,11 +39,13 @@ FORMATS: dict[int, tuple[str, int, int, int]] = {
     2002: ("Q4_0", 32, 18, 0),
     2003: ("Q4_1", 32, 20, 0),
     2006: ("Q5_0", 32, 22, 0),
+    2012: ("Q4_K", 256, 144, 0),
+    2014: ("Q6_K", 256, 210, 0),
 }
 
-#: GGML type -> bytes of its block head (float16 d, then m or Q5_0's 32-bit mask) for the types
-#: :func:`tile_rows` tiles
-TILED_HEADS: dict[int, int] = {2: 2, 3: 4, 6: 6}
+#: GGML type -> bytes of its block head (float16 d, then m, Q5_0's 32-bit mask or Q4_K's dmin) for
+#: the types :func:`tile_rows` tiles (Q6_K: none, its d comes last)
+TILED_HEADS: dict[int, int] = {2: 2, 3: 4, 6: 6, 12: 4, 14: 0}
 #: tiled formats: format -> rows per tile
 TILED: dict[int, int] = {2000 + t: 16 for t in TILED_HEADS}
 
@@ -123,13 +125,13 @@ class PackedWeight:
 
 
 def tile_rows(weight: PackedWeight) -> PackedWeight:
-    """``weight`` with its Q4_0, Q4_1 and Q5_0 segments (of a multiple of 16 rows) in tiles of 16 rows
-    (format 2000 + the GGML type).
+    """``weight`` with its Q4_0, Q4_1, Q5_0, Q4_K and Q6_K segments (of a multiple of 16 rows) in tiles
+    of 16 rows (format 2000 + the GGML type).
 
-    Per block of 32 columns a tile holds the 16 rows' head fields (float16 d, then Q4_1's float16 m or
-    Q5_0's 32-bit mask of 5th bits as two 2-byte fields), then
-    byte j of each row's values for every j: the bytes of 16 GGUF blocks in another order, so that
-    a one-row product decodes 16 rows' values per instruction (1.3-1.8x faster). The values,
+    Per GGUF block of columns a tile holds the 16 rows' head fields (float16 d, then Q4_1's float16 m,
+    Q5_0's 32-bit mask of 5th bits as two 2-byte fields or Q4_K's dmin; Q6_K has none), then
+    byte j of each row's remaining block bytes for every j: the bytes of 16 GGUF blocks in another
+    order, so that a one-row product decodes 16 rows' values per instruction (1.3-1.8x faster). The values,
     ``dequantize`` and embedding lookups are unchanged. File-mapped sources are released once
     copied (:func:`release_file_pages`).
 
