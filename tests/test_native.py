@@ -32,7 +32,9 @@ def test_rms_norm_matches_torch():
                                        rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("b,h,hkv,t,s,d", [(1, 9, 3, 1, 517, 64), (2, 4, 1, 3, 40, 256), (1, 8, 8, 8, 17, 64)])
+# decode rows of Gemma 3 (4 query heads a key head, d 256) and of 8 heads a key head: scores 4 rows at a time
+@pytest.mark.parametrize("b,h,hkv,t,s,d", [(1, 9, 3, 1, 517, 64), (2, 4, 1, 3, 40, 256), (1, 8, 8, 8, 17, 64),
+                                           (1, 4, 1, 1, 300, 256), (1, 8, 1, 1, 70, 80)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_attention_matches_sdpa(b, h, hkv, t, s, d, masked):
     g = torch.Generator().manual_seed(1)

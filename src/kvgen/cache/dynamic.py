@@ -70,14 +70,15 @@ class DynamicLayer(CacheLayer):
                 f"{self._k.shape[0]} with {self._k.shape[1]} heads; use one cache per batch shape"
             )
         self._make_room(t)
-        self._k[:, :, self._end:self._end + t] = key
-        self._v[:, :, self._end:self._end + t] = value
+        self._k.narrow(2, self._end, t).copy_(key)  # narrow: a few microseconds less than [:, :, a:b] per step
+        self._v.narrow(2, self._end, t).copy_(value)
         self._end += t
         self._seen += t
 
     def update(self, key, value, cache_position):
         self._append(key, value)
-        return self._k[:, :, self._start:self._end], self._v[:, :, self._start:self._end]
+        live = self._end - self._start
+        return self._k.narrow(2, self._start, live), self._v.narrow(2, self._start, live)
 
     def key_positions(self, cache_position):
         live = self._end - self._start

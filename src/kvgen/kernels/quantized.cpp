@@ -1210,7 +1210,10 @@ __attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const 
     const float* kk = k + s0 * ks;
     for (int64_t d = 0; d < D; d += LN) {
       vn x[4];
-      for (int i = 0; i < 4; ++i) x[i] = vload<vn>(kk + i * ks + d);
+      for (int i = 0; i < 4; ++i) {
+        x[i] = vload<vn>(kk + i * ks + d);
+        asm("" : "+x"(x[i]));  // held in a register: GCC would load each key vector again for every row
+      }
       for (int j = 0; j < RR; ++j) {
         const vn y = vload<vn>(q + j * D + d);
         for (int i = 0; i < 4; ++i) acc[j][i] += x[i] * y;
@@ -1225,25 +1228,42 @@ __attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const 
 }
 
 // acc[i] = acc[i] * alpha[i] + sum_s p[s, i] * v[s] for RR consecutive query rows (acc rows of D
-// floats, value s at v + s * vs), 16 columns at a time
+// floats, value s at v + s * vs), NCH chunks of 16 columns at a time: each value vector loaded
+// feeds RR multiply-adds, each weight broadcast feeds NCH (as many accumulators as registers allow)
+#if defined(__AVX512F__)
+constexpr int VALUE_REGISTERS = 16;
+#else
+constexpr int VALUE_REGISTERS = 8;
+#endif
+template <int RR, int N>
+__attribute__((always_inline)) inline void values_pass(float* acc, int64_t D, int64_t d, const float* p, int64_t Rp,
+                                                       const float* alpha, const float* v, int64_t vs) {
+  vn x[RR][N][DC];
+  for (int i = 0; i < RR; ++i)
+    for (int j = 0; j < N; ++j)
+      for (int c = 0; c < DC; ++c) x[i][j][c] = vload<vn>(acc + i * D + d + 16 * j + c * LN) * alpha[i];
+  for (int64_t s = 0; s < TILE; ++s) {
+    vn y[N][DC];
+    for (int j = 0; j < N; ++j)
+      for (int c = 0; c < DC; ++c) y[j][c] = vload<vn>(v + s * vs + d + 16 * j + c * LN);
+    for (int i = 0; i < RR; ++i) {
+      const float w = p[s * Rp + i];
+      for (int j = 0; j < N; ++j)
+        for (int c = 0; c < DC; ++c) x[i][j][c] += y[j][c] * w;
+    }
+  }
+  for (int i = 0; i < RR; ++i)
+    for (int j = 0; j < N; ++j)
+      for (int c = 0; c < DC; ++c) vstore(acc + i * D + d + 16 * j + c * LN, x[i][j][c]);
+}
+
 template <int RR>
 __attribute__((noinline)) void tile_values(float* acc, int64_t D, const float* p, int64_t Rp, const float* alpha,
                                            const float* v, int64_t vs) {
-  for (int64_t d = 0; d < D; d += 16) {
-    vn x[RR][DC];
-    for (int i = 0; i < RR; ++i)
-      for (int c = 0; c < DC; ++c) x[i][c] = vload<vn>(acc + i * D + d + c * LN) * alpha[i];
-    for (int64_t s = 0; s < TILE; ++s) {
-      vn y[DC];
-      for (int c = 0; c < DC; ++c) y[c] = vload<vn>(v + s * vs + d + c * LN);
-      for (int i = 0; i < RR; ++i) {
-        const float w = p[s * Rp + i];
-        for (int c = 0; c < DC; ++c) x[i][c] += y[c] * w;
-      }
-    }
-    for (int i = 0; i < RR; ++i)
-      for (int c = 0; c < DC; ++c) vstore(acc + i * D + d + c * LN, x[i][c]);
-  }
+  constexpr int NCH = std::max(1, std::min(4, VALUE_REGISTERS / (RR * (int)DC)));
+  int64_t d = 0;
+  for (; d + 16 * NCH <= D; d += 16 * NCH) values_pass<RR, NCH>(acc, D, d, p, Rp, alpha, v, vs);
+  for (; d < D; d += 16) values_pass<RR, 1>(acc, D, d, p, Rp, alpha, v, vs);
 }
 
 // the query rows of a row block: R = n * G, padded to Rp lanes
@@ -1296,6 +1316,9 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
     }
     int64_t r = 0;
     if (dots) {
+#if defined(__AVX512F__)  // 16 accumulators: each key vector loaded serves 4 rows (32 registers)
+      for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, Rp, sc + r);
+#endif
       for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, Rp, sc + r);
       if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, Rp, sc + r);
     } else {

@@ -82,8 +82,8 @@ def decode_block(fn):
     @functools.wraps(fn)
     def run(module, x, *args):
         nonlocal compiled, failed
-        if (failed or x.device.type != "cpu" or x.shape[0] * x.shape[1] > MAX_ROWS or torch.is_grad_enabled()
-                or torch.compiler.is_compiling() or not getattr(module, "compile_decode", True)
+        if (failed or not getattr(module, "compile_decode", True) or not x.is_cpu  # packed models: eager, decided first
+                or x.shape[0] * x.shape[1] > MAX_ROWS or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or not blocks_compiled()):
             return fn(module, x, *args)
         if compiled is None:

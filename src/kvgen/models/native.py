@@ -34,8 +34,8 @@ _SAMPLED_ROWS = 16
 
 
 def _native(x: torch.Tensor, rows: int | None) -> bool:
-    return ((rows is None or rows <= MAX_ROWS) and x.device.type == "cpu" and x.dtype == torch.float32
-            and not torch.compiler.is_compiling() and not torch.is_grad_enabled() and kernels_available())
+    return ((rows is None or rows <= MAX_ROWS) and x.is_cpu and x.dtype == torch.float32
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and kernels_available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -86,13 +86,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return torch.ops.kvgen.attention(q, k, v, mask, scale, softcap or 0.0)
 
 
-def _packed(*layers: torch.nn.Module) -> bool:
-    return all(type(layer) is QuantizedLinear and layer.bias is None for layer in layers)
+def _packed(layer: torch.nn.Module) -> bool:
+    return type(layer) is QuantizedLinear and layer.bias is None
 
 
 #: activations ``kvgen::decoder_mlp`` computes, by config name
 ACTIVATION_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 
+
+def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
+
+
+# The two ops below run once per layer and decode step: their wrappers read each attribute once.
 
 def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module, cos: torch.Tensor,
                              sin: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.nn.Module | None = None,
@@ -104,14 +110,15 @@ def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch
     where it does not apply (more than ``MAX_ROWS`` rows, float weights, biases, partial rotary):
     then the caller runs its modules."""
     head_dim = cos.shape[-1]
-    if not (_native(x, x.shape[0] * x.shape[1]) and _packed(proj) and cos.dtype == torch.float32
-            and norm.weight.dtype == torch.float32
+    if not (_packed(proj) and _native(x, x.shape[0] * x.shape[1]) and cos.dtype == torch.float32
             and head_dim % 32 == 0 and head_dim * (heads + 2 * kv_heads) == proj.out_features):
         return None
+    weight = norm.weight
+    if weight.dtype != torch.float32:
+        return None
     return torch.ops.kvgen.decoder_attention_inputs(
-        x, norm.weight, norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads,
-        None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-        0.0 if q_norm is None else q_norm.eps, norm.offset)
+        x, weight, norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads, _weight(q_norm),
+        _weight(k_norm), 0.0 if q_norm is None else q_norm.eps, norm.offset)
 
 
 def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pre_norm: torch.nn.Module,
@@ -122,11 +129,13 @@ def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pr
     :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
     for Llama). None where it does not apply."""
     act = ACTIVATION_CODES.get(mlp.act_name)
-    if (act is None or pre_norm.weight.dtype != torch.float32 or not _native(x, x.shape[0] * x.shape[1])
-            or not _packed(o_proj, mlp.gate_up_proj, mlp.down_proj)):
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    if (act is None or not (_packed(o_proj) and _packed(gate_up) and _packed(down))
+            or not _native(x, x.shape[0] * x.shape[1])):
+        return None
+    weight = pre_norm.weight
+    if weight.dtype != torch.float32:
         return None
     return torch.ops.kvgen.decoder_mlp(
-        x, attn, o_proj._segments, o_proj.formats, None if post_attention is None else post_attention.weight,
-        pre_norm.weight, None if post_feedforward is None else post_feedforward.weight, pre_norm.eps,
-        mlp.gate_up_proj._segments, mlp.gate_up_proj.formats, mlp.down_proj._segments, mlp.down_proj.formats, act,
-        pre_norm.offset)
+        x, attn, o_proj._segments, o_proj.formats, _weight(post_attention), weight, _weight(post_feedforward),
+        pre_norm.eps, gate_up._segments, gate_up.formats, down._segments, down.formats, act, pre_norm.offset)

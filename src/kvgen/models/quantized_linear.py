@@ -52,6 +52,7 @@ class _Packed(nn.Module):
             raise TypeError(f"{type(self).__name__} holds a PackedWeight; cannot assign a {type(weight).__name__}")
         self.formats = [format for format, _ in weight.segments]
         self.in_features = weight.in_features
+        self._segment_names = [f"packed_{i}" for i in range(len(weight.segments))]
         for name in [n for n in self._buffers if n.startswith("packed_")]:
             del self._buffers[name]
         for i, (_, data) in enumerate(weight.segments):
@@ -59,7 +60,8 @@ class _Packed(nn.Module):
 
     @property
     def _segments(self) -> list[torch.Tensor]:
-        return [self._buffers[f"packed_{i}"] for i in range(len(self.formats))]
+        buffers = self._buffers
+        return [buffers[name] for name in self._segment_names]
 
 
 class QuantizedLinear(_Packed):
