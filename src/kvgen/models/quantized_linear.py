@@ -29,6 +29,17 @@ def _dequantized(weight: PackedWeight) -> torch.Tensor:
     return weight.dequantize(out=_scratch[: n * k].view(n, k))
 
 
+def _prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of float32 rows, through oneDNN's matmul where torch has it: on an AMD EPYC (Zen 4, 2
+    threads) it ran a prefill's products at 211-218 GFLOP/s where MKL's ran at 174-197."""
+    if _ONEDNN_LINEAR is not None:
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+
 def _check_cpu(x: torch.Tensor) -> None:
     if x.device.type != "cpu":
         raise ValueError(f"weights kept in their stored format run on the CPU, not {x.device}; load the model "
@@ -92,7 +103,7 @@ class QuantizedLinear(_Packed):
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = F.linear(x2, _dequantized(self.weight), self.bias)
+            y = _prefill_linear(x2, _dequantized(self.weight), self.bias)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
