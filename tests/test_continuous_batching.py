@@ -332,3 +332,34 @@ def test_cancelling_n_siblings_before_the_first_token_ends_them_all(model):
         assert manager.get_result(None, timeout=0.01) is None  # nothing left, no error
     assert [o.finish_reason for o in finals] == ["cancelled"] * 3
     assert manager.stats()["blocks_free"] == 64
+
+
+def test_a_fresh_pool_reads_as_zeros_and_takes_writes():
+    """The CPU pool is lazily zeroed memory (never-written slots must be zeros: attention weighs excluded
+    keys by 0, and 0 times a NaN is NaN); writes land in place."""
+    cache = PagedAttentionCache(kvgen.PretrainedConfig(**CONFIG), num_blocks=8, block_size=4)
+    layer = cache.layer(0)
+    assert layer.pool_keys.shape == (1, 2, 32, 16) and layer.pool_keys.dtype == torch.float32
+    assert torch.count_nonzero(layer.pool_keys) == 0 and torch.count_nonzero(layer.pool_values) == 0
+    cache.begin_step({"full_attention": (torch.tensor([5, 6]), torch.full((2, 8), -1))})
+    new = torch.randn(1, 2, 2, 16)
+    keys, _ = cache.update(new, new, 0)
+    assert torch.equal(layer.pool_keys[:, :, 5:7], new) and keys.shape == (1, 2, 8, 16)
+    assert torch.count_nonzero(layer.pool_keys) == new.numel()
+
+
+def test_the_loop_thread_computes_after_the_caller_releases_its_openmp_threads():
+    """release_openmp_threads() frees the caller's OpenMP workers (so the loop's thread is not throttled);
+    parallel torch work in the caller and in another thread stays correct afterwards."""
+    from kvgen.serving.engine import release_openmp_threads
+
+    a, b = torch.randn(300, 200), torch.randn(200, 100)
+    expected = a.double() @ b.double()
+    results = []
+    release_openmp_threads()
+    worker = threading.Thread(target=lambda: results.append(a @ b))
+    worker.start()
+    worker.join()
+    results.append(a @ b)
+    for got in results:
+        torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 
@@ -58,6 +59,21 @@ def free_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero pool. On the CPU, fresh anonymous memory: the system hands out zero pages as they are first
+    touched, so a pool of gigabytes costs nothing until used (``torch.zeros`` wrote a 2 GiB pool in
+    about 3 s). Never-written slots must read as zeros: attention weighs excluded keys by 0, and
+    0 times a stray NaN would not be 0."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = 1
+    for size in shape:
+        count *= size
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype).view(shape)
 
 
 class PagedLayer(CacheLayer):
@@ -150,8 +166,8 @@ class PagedAttentionCache(Cache):
         self.kinds = tuple(dict.fromkeys(kinds))
         slots = num_blocks * block_size
         super().__init__(layers=[
-            PagedLayer(self, kind, torch.zeros(1, kv_heads, slots, head_dim, device=device, dtype=dtype),
-                       torch.zeros(1, kv_heads, slots, head_dim, device=device, dtype=dtype)) for kind in kinds])
+            PagedLayer(self, kind, _zeros((1, kv_heads, slots, head_dim), dtype, device),
+                       _zeros((1, kv_heads, slots, head_dim), dtype, device)) for kind in kinds])
         self.steps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_step(self, steps: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -11,9 +11,9 @@ Both paths compute with the weights a float32 model would hold, up to float32 ro
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvgen.models.linear import matmul
 from kvgen.models.packed import TILED, PackedWeight
 
 #: most rows the one-pass product takes; more are dequantized and multiplied by the float32 matmul.
@@ -31,17 +31,6 @@ def _dequantized(weight: PackedWeight) -> torch.Tensor:
     if _scratch.numel() < n * k:
         _scratch = torch.empty(n * k)
     return weight.dequantize(out=_scratch[: n * k].view(n, k))
-
-
-def _prefill_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of float32 rows, through oneDNN's matmul where torch has it: on an AMD EPYC (Zen 4, 2
-    threads) it ran a prefill's products at 211-218 GFLOP/s where MKL's ran at 174-197."""
-    if _ONEDNN_LINEAR is not None:
-        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
 def _check_cpu(x: torch.Tensor) -> None:
@@ -107,7 +96,7 @@ class QuantizedLinear(_Packed):
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = _prefill_linear(x2, _dequantized(self.weight), self.bias)
+            y = matmul(x2, _dequantized(self.weight), self.bias)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import queue
 import threading
@@ -31,6 +32,25 @@ from kvgen.serving.blocks import BlockPool
 from kvgen.serving.runner import ModelRunner
 from kvgen.serving.scheduler import RequestStatus, SamplingParams, Scheduler, Sequence
 from kvgen.serving.store import open_store
+
+
+def release_openmp_threads() -> None:
+    """Free the OpenMP worker threads of the calling thread (``omp_pause_resource_all``, in the OpenMP
+    runtime torch loaded), before the model runs in another thread.
+
+    GNU OpenMP spins only briefly while it manages more threads than there are CPUs: then every
+    parallel region of the loop's thread waits on a sleeping worker. With the caller's idle workers
+    still counted (they stay once it has run any torch op), a 64 x 576 ``rms_norm`` took 0.21 ms
+    in the loop's thread instead of 0.02 (AMD EPYC, 2 threads). The caller gets new workers the
+    next time it computes. Without a GNU OpenMP runtime in the process this does nothing.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "/libgomp" in line), None)
+        if path is not None:
+            ctypes.CDLL(path).omp_pause_resource_all(1)  # omp_pause_soft
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -130,6 +150,7 @@ class ContinuousBatchingManager:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopping = False
+        release_openmp_threads()
         self._thread = threading.Thread(target=self._loop, name="kvgen-continuous-batching", daemon=True)
         self._thread.start()
 
