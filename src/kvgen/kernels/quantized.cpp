@@ -768,15 +768,31 @@ void Q6_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
       for (int l0 = 16 * k; l0 < 16 * k + 16; l0 += S)
 #pragma GCC unroll 4
       for (int l = l0; l < l0 + S; ++l) {
-        const vi a = toi(load16(blk + 16 * (64 * h + l))), b = toi(load16(blk + 16 * (64 * h + 32 + l)));
-        const vi hb = toi(load16(blk + 16 * (128 + 32 * h + l)));
-        const vi q[4] = {(a & 0x0F) | ((hb & 3) << 4), (b & 0x0F) | (((hb >> 2) & 3) << 4),
-                         (a >> 4) | (((hb >> 4) & 3) << 4), (b >> 4) | ((hb >> 6) << 4)};
+        const uint8_t *a = blk + 16 * (64 * h + l), *b = blk + 16 * (64 * h + 32 + l), *hb = blk + 16 * (128 + 32 * h + l);
+#if defined(__AVX512F__)  // table lookups: low 4 bits - 32, plus 16 x the 2 high bits (4 integer ops fewer a value)
+        const __m512 low = _mm512_setr_ps(-32, -31, -30, -29, -28, -27, -26, -25, -24, -23, -22, -21, -20, -19, -18, -17);
+        const __m512 high = _mm512_setr_ps(0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48);  // index & 3
+        const __m512i va = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+        const __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+        const __m512i vh = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb)));
+        const __m512i nib[4] = {va, vb, _mm512_srli_epi32(va, 4), _mm512_srli_epi32(vb, 4)};  // permutes read index bits 0-3
+        const __m512i top[4] = {vh, _mm512_srli_epi32(vh, 2), _mm512_srli_epi32(vh, 4), _mm512_srli_epi32(vh, 6)};
+        for (int s = 0; s < 4; ++s) {
+          const __m512 q = _mm512_add_ps(_mm512_permutexvar_ps(nib[s], low), _mm512_permutexvar_ps(top[s], high));
+          vn v[DC];
+          std::memcpy(v, &q, 64);
+          emit(s * S + l - l0, 128 * h + 32 * s + l, v);
+        }
+#else
+        const vi va = toi(load16(a)), vb = toi(load16(b)), vh = toi(load16(hb));
+        const vi q[4] = {(va & 0x0F) | ((vh & 3) << 4), (vb & 0x0F) | (((vh >> 2) & 3) << 4),
+                         (va >> 4) | (((vh >> 4) & 3) << 4), (vb >> 4) | ((vh >> 6) << 4)};
         for (int s = 0; s < 4; ++s) {
           vn v[DC];
           to_lanes(__builtin_convertvector(q[s], vf) - 32.0f, v);
           emit(s * S + l - l0, 128 * h + 32 * s + l, v);
         }
+#endif
       }
       for (int s = 0; s < 4; ++s) {
         const int g = 8 * h + 2 * s + k;
