@@ -6,6 +6,8 @@ about half the memory bandwidth for one row, and slower for 2-8 rows. Written as
 reduction per row over the weight, inductor generates a single pass over the matrix with
 one accumulator per row, vectorised along the input dimension: for one row, the 113 MB
 ``lm_head`` of SmolLM2 streams at about 1.3x the speed of a tensor copy on this 2-core host.
+Outside compiled blocks (prefill, eager steps, ragged batches) products go through oneDNN's
+matmul (:func:`matmul`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from kvgen.models.decode_blocks import MAX_ROWS
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of many float32 rows, through oneDNN's matmul where torch has it (CPU, outside
-    autograd and compile): on an AMD EPYC (Zen 4, 2 threads) it ran 64-512 rows at 174-218 GFLOP/s
-    where MKL's ``F.linear`` ran at 109-197 (a 49152-row ``lm_head``: 174 vs 109)."""
+    """``F.linear``, through oneDNN's matmul for float32 on the CPU outside autograd and compile. On an
+    AMD EPYC (Zen 4, 2 threads) it ran 64-512 rows at 174-218 GFLOP/s where MKL's ``F.linear`` ran at
+    109-197 (a 49152-row ``lm_head``: 174 vs 109), and streamed SmolLM2's layer weights for 1-8 rows
+    at 14-19 GB/s where MKL streamed 8-12."""
     if (_ONEDNN_LINEAR is not None and x.is_cpu and x.dtype == weight.dtype == torch.float32
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
         y = _ONEDNN_LINEAR(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")  # (rows, out)
@@ -43,10 +46,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows > MAX_ROWS:
+        if (rows > MAX_ROWS or x.device.type != "cpu" or self.weight.dtype != torch.float32
+                or not torch.compiler.is_compiling()):
             return matmul(x, self.weight, self.bias)
-        if x.device.type != "cpu" or self.weight.dtype != torch.float32 or not torch.compiler.is_compiling():
-            return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(rows, x.shape[-1])
         if rows > 1:  # as_strided makes inductor store the input once: inlined, its producer (a norm,
             # silu(gate) * up) is recomputed for every output feature, and 2-8 rows become compute-bound
