@@ -1228,7 +1228,9 @@ __attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const 
       vn x[4];
       for (int i = 0; i < 4; ++i) {
         x[i] = vload<vn>(kk + i * ks + d);
+#if defined(__AVX__)  // (an SSE register holds half a vn)
         asm("" : "+x"(x[i]));  // held in a register: GCC would load each key vector again for every row
+#endif
       }
       for (int j = 0; j < RR; ++j) {
         const vn y = vload<vn>(q + j * D + d);
