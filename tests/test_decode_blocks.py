@@ -44,6 +44,18 @@ def test_linear_under_compile_equals_f_linear(rows, bias):
     torch.testing.assert_close(out, F.linear(strided, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(1, 48), (3, 1, 48), (MAX_ROWS + 1, 48), (0, 48), (2, 5, 48)])
+def test_eager_linear_equals_f_linear(shape):
+    """Eager products (oneDNN's matmul where torch has it) equal F.linear up to float32 rounding, with
+    or without bias, for any leading shape, an empty batch and strided input rows."""
+    torch.manual_seed(len(shape))
+    for bias in (False, True):
+        layer = Linear(48, 40, bias=bias)
+        for x in (torch.randn(shape), torch.randn(*shape[:-1], 96)[..., ::2]):
+            with torch.no_grad():
+                torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
 def decode(model, steps=5, batch=2):
     """Logits of ``steps`` one-token decode steps after an 8-token prompt, through a DynamicCache."""
     ids = torch.randint(0, CONFIG["vocab_size"], (batch, 8), generator=torch.Generator().manual_seed(1))
