@@ -768,14 +768,17 @@ void Q6_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
       for (int l0 = 16 * k; l0 < 16 * k + 16; l0 += S)
 #pragma GCC unroll 4
       for (int l = l0; l < l0 + S; ++l) {
-        const uint8_t *a = blk + 16 * (64 * h + l), *b = blk + 16 * (64 * h + 32 + l), *hb = blk + 16 * (128 + 32 * h + l);
-#if defined(__AVX512F__)  // two table lookups (low 4 bits - 32, 16 x the high 2 bits) instead of assembly + conversion
-        const __m512 low = _mm512_setr_ps(-32, -31, -30, -29, -28, -27, -26, -25, -24, -23, -22, -21, -20, -19, -18, -17);
+        const uint8_t *a = blk + 16 * (64 * h + l), *b = blk + 16 * (64 * h + 32 + l);
+        const uint8_t* hb = blk + 16 * (128 + 32 * h + l);
+#if defined(__AVX512F__)  // two table lookups (low 4 bits - 32, 16 x the high 2 bits), not assembly + conversion
+        const __m512 low = _mm512_setr_ps(-32, -31, -30, -29, -28, -27, -26, -25,
+                                          -24, -23, -22, -21, -20, -19, -18, -17);
         const __m512 high = _mm512_setr_ps(0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48, 0, 16, 32, 48);  // index & 3
         const __m512i va = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
         const __m512i vb = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
         const __m512i vh = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb)));
-        const __m512i nib[4] = {va, vb, _mm512_srli_epi32(va, 4), _mm512_srli_epi32(vb, 4)};  // permutes read index bits 0-3
+        // the permutes read index bits 0-3 only
+        const __m512i nib[4] = {va, vb, _mm512_srli_epi32(va, 4), _mm512_srli_epi32(vb, 4)};
         const __m512i top[4] = {vh, _mm512_srli_epi32(vh, 2), _mm512_srli_epi32(vh, 4), _mm512_srli_epi32(vh, 6)};
         for (int s = 0; s < 4; ++s) {
           const __m512 q = _mm512_add_ps(_mm512_permutexvar_ps(nib[s], low), _mm512_permutexvar_ps(top[s], high));
@@ -808,7 +811,8 @@ void Q6_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
 // dependent multiply-adds would wait on their latency), then d * that (+ m * sum(x)) per row
 template <class T, int R>  // not inlined: inside the dispatching loop GCC ran Q5_0 tiles 1.6x slower (Zen 4)
 __attribute__((noinline)) void matmul_tiles(const float* x, int64_t ldx, const float* xsum, int64_t xld,
-                                            const uint8_t* w, int64_t t0, int64_t t1, int64_t K, float* y, int64_t ldy) {
+                                            const uint8_t* w, int64_t t0, int64_t t1, int64_t K, float* y,
+                                            int64_t ldy) {
   constexpr int CH = R >= 4 ? 1 : 4 / R, SLOTS = T::template SLOTS<CH>;
   constexpr int QK = T::Gguf::QK, GROUPS = QK / T::GROUP;
   constexpr int64_t TB = 16 * T::Gguf::BYTES;

@@ -2,7 +2,8 @@
 
 Inputs of at most :data:`QMATMUL_ROWS` rows (decode steps, batched decoding, short chunks) run
 ``torch.ops.kvgen.qmatmul``: one pass over the stored bytes per 8 rows (AVX2: 2), each block decoded
-in registers and multiplied by those rows (``d * sum(q * x) + m * sum(x)`` per group, float32 accumulation).
+in registers and multiplied by those rows (``d * sum(q * x) + m * sum(x)`` per group, float32
+accumulation).
 Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch buffer
 reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul.
 Both paths compute with the weights a float32 model would hold, up to float32 rounding order.
