@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -68,9 +69,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     0 times a stray NaN would not be 0."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    count = 1
-    for size in shape:
-        count *= size
+    count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype).view(shape)

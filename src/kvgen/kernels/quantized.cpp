@@ -614,22 +614,6 @@ void Nibbles16<G, H, BASE>::columns(typename Tiled<G, H>::None, const uint8_t* r
 }
 
 Q5_0x16::High Q5_0x16::state(const uint8_t* blk) {
-  High h;
-#if defined(__AVX512F__)
-  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-  const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64)));
-  const __m512i high = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)), low = _mm512_slli_epi32(high, 4);
-  std::memcpy(h.low, &low, 64);
-  std::memcpy(h.high, &high, 64);
-#elif defined(__AVX2__)
-  for (int c = 0; c < 2; ++c) {
-    const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * c)));
-    const __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + 16 * c)));
-    const __m256i high = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)), low = _mm256_slli_epi32(high, 4);
-    std::memcpy(h.low + c, &low, 32);
-    std::memcpy(h.high + c, &high, 32);
-  }
-#else
   uint32_t low[16], high[16];
   for (int i = 0; i < 16; ++i) {
     uint16_t lo, hi;
@@ -638,9 +622,9 @@ Q5_0x16::High Q5_0x16::state(const uint8_t* blk) {
     high[i] = (uint32_t)lo | (uint32_t)hi << 16;
     low[i] = high[i] << 4;
   }
+  High h;
   std::memcpy(h.low, low, 64);
   std::memcpy(h.high, high, 64);
-#endif
   return h;
 }
 
