@@ -108,7 +108,7 @@ def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: _Clock
     drafts = "" if speculation is None else (f" drafted={speculation.drafted} "
                                              f"acceptance_rate={speculation.acceptance_rate:.2f}")
     return (f"[kvgen] cache={type(cache).__name__} prompt_tokens={prompt_tokens} new_tokens={new_tokens} "
-            f"prefill_s={prefill:.3f} prompt_tok_per_s={prompt_tokens / prefill:.1f} "
+            f"prefill_s={prefill:.4f} prompt_tok_per_s={prompt_tokens / prefill:.1f} "
             f"decode_tok_per_s={clock.decode_tokens_per_second():.2f} weights={model.weight_format} "
             f"peak_rss_mb={peak_rss_mb():.0f} cache_bytes={cache.nbytes()}{drafts}")
 
