@@ -19,7 +19,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import kvgen
 from kvgen.kernels import kernels_available, unavailable_reason
-from kvgen.models.packed import PackedWeight, tile_rows
+from kvgen.models.packed import PackedWeight, dequantize_on_device, tile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from kvgen.quantization import TorchAoConfig, quantize_int4, quantize_int8
 
@@ -117,6 +117,20 @@ def test_int8_and_int4_rows_dequantize_to_their_definition():
         # the kernel sums d * q * x and m * x apart: float32 rounding of the larger of the two
         magnitude = x.abs() @ ((q * d).abs() + m.abs()).reshape(40, 256).double().T
         assert ((got - x @ packed.dequantize().double().T).abs() <= 1e-5 * magnitude + 1e-6).all()
+
+
+def test_device_decoding_by_torch_operations_equals_the_kernels():
+    """The GPU path (dequantize_on_device: torch operations on any device) against the CPU kernels."""
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(3))
+    weights = [quantize_int8(w), *(quantize_int4(w, g) for g in (32, 64, 128)),
+               PackedWeight([(int(Q.F16), w.half().view(torch.uint8))], 256),
+               PackedWeight([(int(Q.BF16), w.bfloat16().view(torch.uint8))], 256)]
+    for weight in weights:
+        ((format, data),) = weight.segments
+        assert torch.equal(dequantize_on_device(format, data, 256), weight.dequantize()), format
+    raw = torch.from_numpy(random_raw(Q.Q4_K, 4, 256))
+    with pytest.raises(ValueError, match="Q4_K weights run on the CPU only.*dtype=torch.float32"):
+        dequantize_on_device(int(Q.Q4_K), raw, 256)
 
 
 def test_a_fused_weight_of_several_formats_is_one_product():

@@ -107,6 +107,9 @@ class PackedWeight:
         """The float32 (out_features, in_features) matrix, exactly as gguf dequantizes it (into ``out``)."""
         from kvgen.kernels import kernels_available, unavailable_reason
 
+        if self.segments[0][1].device.type != "cpu":
+            parts = [dequantize_on_device(format, data, self.in_features) for format, data in self.segments]
+            return torch.cat(parts, out=out) if out is not None else torch.cat(parts)
         if not kernels_available():
             raise RuntimeError(f"dequantizing a packed weight needs kvgen's kernels: {unavailable_reason()}")
         out = torch.empty(self.shape) if out is None else out
@@ -122,6 +125,33 @@ class PackedWeight:
         if format in TILED:
             raise ValueError("rows in tiles cannot be permuted one by one; permute before tile_rows")
         return PackedWeight([(format, data[index])], self.in_features)
+
+
+#: formats that :func:`dequantize_on_device` decodes with torch operations, on any device
+DEVICE_FORMATS = (1, 30, 1008, 1032, 1064, 1128)
+
+
+def dequantize_on_device(format: int, data: torch.Tensor, in_features: int) -> torch.Tensor:
+    """One segment as a float32 (rows, in_features) matrix on ``data``'s device (kvgen's int8 and int4, F16, BF16).
+
+    The same values as the CPU kernels: ``scale * q`` (int8), ``q * scale + min`` (int4).
+    """
+    if format not in DEVICE_FORMATS:
+        raise ValueError(f"{FORMATS[format][0]} weights run on the CPU only, not on {data.device}; load the model "
+                         f"with dtype=torch.float32 (or torch.bfloat16) to run it there, or keep it on the CPU")
+    rows = data.shape[0]
+    if format in (1, 30):
+        return data.view(torch.float16 if format == 1 else torch.bfloat16).float()
+    if format == 1008:
+        q = data[:, :in_features].view(torch.int8)  # (rows, in)
+        scale = data[:, in_features:].contiguous().view(torch.float32)  # (rows, 1)
+        return q.float() * scale
+    group = format - 1000
+    blocks = data.view(rows, in_features // group, 8 + group // 2)  # (rows, groups, 8 + G/2)
+    scale_min = blocks[..., :8].contiguous().view(torch.float32)  # (rows, groups, 2)
+    nibbles = blocks[..., 8:]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # (rows, groups, G)
+    return (q * scale_min[..., :1] + scale_min[..., 1:]).view(rows, in_features)
 
 
 def tile_rows(weight: PackedWeight) -> PackedWeight:

@@ -7,15 +7,19 @@ accumulation).
 Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch buffer
 reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul.
 Both paths compute with the weights a float32 model would hold, up to float32 rounding order.
+On a GPU, kvgen's int8 and int4 weights (and F16, BF16) stay in their stored bytes in GPU memory and each
+product decodes them with torch operations into the input's dtype before its matmul
+(:func:`~kvgen.models.packed.dequantize_on_device`); GGUF block types run on the CPU only.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from kvgen.models.linear import matmul
-from kvgen.models.packed import TILED, PackedWeight
+from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device
 
 #: most rows the one-pass product takes; more are dequantized and multiplied by the float32 matmul.
 #: Over SmolLM2's and Gemma 3's layers (AMD EPYC Zen 4, 2 threads) the one-pass product was faster up to
@@ -32,12 +36,6 @@ def _dequantized(weight: PackedWeight) -> torch.Tensor:
     if _scratch.numel() < n * k:
         _scratch = torch.empty(n * k)
     return weight.dequantize(out=_scratch[: n * k].view(n, k))
-
-
-def _check_cpu(x: torch.Tensor) -> None:
-    if x.device.type != "cpu":
-        raise ValueError(f"weights kept in their stored format run on the CPU, not {x.device}; load the model "
-                         "with dtype=torch.float32 (or another float dtype) to run it there")
 
 
 class _Packed(nn.Module):
@@ -87,7 +85,9 @@ class QuantizedLinear(_Packed):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_cpu(x)
+        if x.device.type != "cpu":  # GPU: decoded by torch operations (int8, int4, F16, BF16), then x's matmul
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.weight.dequantize().to(x.dtype), bias)
         rows = x.numel() // self.in_features
         x2 = x.reshape(rows, self.in_features)  # (rows, in)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
@@ -124,10 +124,11 @@ class QuantizedEmbedding(_Packed):
         self.num_embeddings, self.embedding_dim = weight.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _check_cpu(ids)
         ((format, data),) = self.weight.segments
         flat = ids.reshape(-1)
-        if format in TILED:  # rows in tiles: dequantize each id's tile, keep its row
+        if ids.device.type != "cpu":
+            out = dequantize_on_device(format, data.index_select(0, flat), self.embedding_dim)
+        elif format in TILED:  # rows in tiles: dequantize each id's tile, keep its row
             rows = TILED[format]
             tiles = data.view(-1, rows * data.shape[1]).index_select(0, flat // rows)  # (ids, rows * row bytes)
             out = torch.empty(flat.shape[0] * rows, self.embedding_dim)
