@@ -475,6 +475,17 @@ def test_missing_backend_package_names_the_pip_command(monkeypatch, backend, mod
         QuantizedCache(backend=backend)
 
 
+def test_a_backend_package_that_fails_to_import_says_why(monkeypatch, tmp_path):
+    (tmp_path / "hqq").mkdir()
+    (tmp_path / "hqq" / "__init__.py").write_text("import a_dependency_that_is_not_installed\n")
+    for name in [m for m in sys.modules if m == "hqq" or m.startswith("hqq.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ImportError, match="installed, but importing it failed: No module named "
+                                          "'a_dependency_that_is_not_installed'"):
+        QuantizedCache(backend="hqq")
+
+
 def test_sliding_layers_keep_a_full_precision_window():
     cfg = PretrainedConfig(model_type="mistral", hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
                            layer_types=["sliding_attention", "full_attention"], sliding_window=8)

@@ -327,9 +327,11 @@ class KiviStore:
 
 
 # -- optional libraries ----------------------------------------------------------------------------
-def _missing(backend: str, package: str, extra: str) -> ImportError:
+def _missing(backend: str, package: str, extra: str, error: ImportError) -> ImportError:
+    found = "" if error.name and error.name.split(".")[0] in (package, package.split("-")[0]) \
+        else f" (it is installed, but importing it failed: {error})"
     return ImportError(
-        f"the {backend!r} backend of QuantizedCache needs the {package} package: pip install {package} "
+        f"the {backend!r} backend of QuantizedCache needs the {package} package{found}: pip install {package} "
         f"(or pip install 'kvgen[{extra}]'); kvgen's own backend needs nothing extra: backend='kivi'"
     )
 
@@ -342,8 +344,8 @@ class QuantoBackend:
     def __init__(self, nbits: int, group: int):
         try:
             from optimum.quanto import MaxOptimizer, qint2, qint4
-        except ImportError:
-            raise _missing("quanto", "optimum-quanto", "quanto") from None
+        except ImportError as error:
+            raise _missing("quanto", "optimum-quanto", "quanto", error) from error
         self.qtype = qint4 if nbits == 4 else qint2
         self.optimizer = MaxOptimizer()
         self.group = group
@@ -389,8 +391,8 @@ class HQQBackend:
     def __init__(self, nbits: int, group: int):
         try:
             from hqq.core.quantize import Quantizer
-        except ImportError:
-            raise _missing("hqq", "hqq", "hqq") from None
+        except ImportError as error:
+            raise _missing("hqq", "hqq", "hqq", error) from error
         self.quantizer, self.nbits, self.group = Quantizer, nbits, group
 
     def quantize(self, x: torch.Tensor, axis: int):
