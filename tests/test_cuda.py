@@ -1,0 +1,175 @@
+"""kvgen on a CUDA GPU (skipped without one): every cache strategy, compiled static decode, quantized
+weights, bfloat16 and the continuous-batching engine compute on the GPU what the same model computes
+on the CPU.
+
+GPU and CPU sum in different orders (and SDPA picks other kernels), so logits are compared within
+1e-3 (float32; TF32 is off) and greedy tokens must be equal: the random models' weights are large
+enough (std 0.2) that their greedy choices are far from ties.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import kvgen
+from kvgen import PretrainedConfig, SinkCache
+from kvgen.serving import ContinuousBatchingConfig
+from kvgen.quantization import TorchAoConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+DEVICE = "cuda"
+VOCAB = 96
+LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None,
+             pad_token_id=None, tie_word_embeddings=False)
+MISTRAL = {**LLAMA, "model_type": "mistral", "sliding_window": 8}
+GEMMA2 = dict(model_type="gemma2", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=8, query_pre_attn_scalar=32,
+              max_position_embeddings=256, eos_token_id=None, pad_token_id=None)
+MAMBA = dict(model_type="mamba", vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, conv_kernel=4,
+             expand=2, eos_token_id=None, pad_token_id=None)
+GREEDY = dict(do_sample=False, return_dict_in_generate=True, output_logits=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def tiny(fields: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    model = kvgen.AutoModelForCausalLM.from_config(PretrainedConfig(**fields)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    return model.requires_grad_(False)
+
+
+def on(model, device):
+    model = copy.deepcopy(model).to(device)
+    model.init_buffers(torch.device(device))
+    return model
+
+
+def prompt(batch=2, length=20, seed=1):
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def assert_same_generation(got, want, atol=1e-3):
+    assert torch.equal(got.sequences.cpu(), want.sequences.cpu())
+    for g, w in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(g.cpu(), w.cpu(), rtol=1e-4, atol=atol)
+
+
+CACHES = [("dynamic", LLAMA, None), ("static", LLAMA, None), ("offloaded", LLAMA, None),
+          ("offloaded_static", LLAMA, None), ("sliding_window", MISTRAL, None), ("hybrid", GEMMA2, None),
+          ("sink", LLAMA, {"window_length": 12, "num_sink_tokens": 2}),
+          ("static_sink", LLAMA, {"window_length": 12, "num_sink_tokens": 2}), ("mamba", MAMBA, None)]
+
+
+@pytest.mark.parametrize("name, fields, cache_config", CACHES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CACHES)])
+def test_every_cache_implementation_on_cuda_matches_the_cpu(name, fields, cache_config):
+    model = tiny(fields)
+    ids = prompt()
+    kwargs = dict(max_new_tokens=16, cache_implementation=name, cache_config=cache_config, disable_compile=True,
+                  **GREEDY)
+    want = model.generate(ids, **kwargs)
+    got = on(model, DEVICE).generate(ids.to(DEVICE), **kwargs)
+    assert got.sequences.device.type == torch.device(DEVICE).type
+    assert_same_generation(got, want)
+
+
+def forced_logits(model, ids, cache, prompt_length):
+    """Logits of a prefill of ``prompt_length`` tokens, then of each later token of ``ids`` fed one by one."""
+    ids = ids.to(model.device)
+    out = [model(ids[:, :prompt_length], past_key_values=cache).logits[:, -1]]
+    for t in range(prompt_length, ids.shape[1]):
+        out.append(model(ids[:, t:t + 1], past_key_values=cache).logits[:, -1])
+    return torch.stack(out).cpu()
+
+
+@pytest.mark.parametrize("backend, nbits", [("kivi", 2), ("quanto", 4), ("hqq", 4)])
+def test_quantized_cache_on_cuda_is_as_faithful_as_on_the_cpu(backend, nbits):
+    """A code that rounds the other way (GPU and CPU sum in other orders) moves a logit by a whole step, so
+    the GPU's quantized logits are held to the CPU's on average: their mean distance is a tenth of the
+    quantization's own mean error (a GPU quantizer that were wrong would be as far off as that error)."""
+    model = tiny(LLAMA)
+    gpu = on(model, DEVICE)
+    ids = prompt(length=36)
+    cache_config = {"backend": backend, "nbits": nbits, "q_group_size": 16, "residual_length": 4}
+    run = {device: {kind: forced_logits(m, ids, kvgen.QuantizedCache(config=m.config, cache_config=cache_config)
+                                        if kind == "quantized" else kvgen.DynamicCache(), 20)
+                    for kind in ("quantized", "full")} for device, m in (("cpu", model), ("gpu", gpu))}
+    cpu_error = (run["cpu"]["quantized"] - run["cpu"]["full"]).abs().mean()
+    assert cpu_error > 0.01  # the cache did quantize
+    torch.testing.assert_close(run["gpu"]["full"], run["cpu"]["full"], rtol=1e-4, atol=1e-3)
+    assert (run["gpu"]["quantized"] - run["cpu"]["quantized"]).abs().mean() <= 0.1 * cpu_error
+    assert (run["gpu"]["quantized"] - run["gpu"]["full"]).abs().mean() <= 1.1 * cpu_error
+
+
+def test_sink_cache_object_and_beam_search_on_cuda():
+    model = tiny(LLAMA)
+    gpu = on(model, DEVICE)
+    ids = prompt(batch=1)
+    want = model.generate(ids, past_key_values=SinkCache(window_length=12, num_sink_tokens=2), max_new_tokens=10,
+                          **GREEDY)
+    got = gpu.generate(ids.to(DEVICE), past_key_values=SinkCache(window_length=12, num_sink_tokens=2),
+                       max_new_tokens=10, **GREEDY)
+    assert_same_generation(got, want)
+    beams = dict(max_new_tokens=8, num_beams=3, do_sample=False)
+    assert torch.equal(gpu.generate(ids.to(DEVICE), **beams).cpu(), model.generate(ids, **beams))
+
+
+def test_compiled_static_decode_on_cuda_matches_eager():
+    gpu = on(tiny(LLAMA), DEVICE)
+    ids = prompt().to(DEVICE)
+    eager = gpu.generate(ids, max_new_tokens=12, cache_implementation="static", disable_compile=True, **GREEDY)
+    compiled = gpu.generate(ids, max_new_tokens=12, cache_implementation="static", **GREEDY)
+    assert getattr(gpu, "_compiled_forward", None) is not None  # the decode steps ran the compiled forward
+    assert_same_generation(compiled, eager, atol=1e-4)
+
+
+def test_bfloat16_on_cuda_stays_close_to_float32():
+    model = tiny(LLAMA)
+    ids = prompt().to(DEVICE)
+    full = on(model, DEVICE)(ids).logits
+    half = on(model, DEVICE).to(torch.bfloat16)
+    logits = half(ids).logits
+    assert logits.dtype == torch.bfloat16
+    assert (logits.float() - full).abs().max() <= 0.05 * full.abs().max()  # bfloat16 keeps 8 bits of mantissa
+    out = half.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    assert out.shape == (2, 28)
+
+
+@pytest.mark.parametrize("quant_type, group_size", [("int8_weight_only", 128), ("int4_weight_only", 32)])
+def test_quantized_weights_on_cuda_match_the_cpu_kernels(quant_type, group_size):
+    model = tiny(LLAMA)
+    TorchAoConfig(quant_type, group_size=group_size, modules_to_not_convert=[]).quantize_model(model)
+    gpu = on(model, DEVICE)
+    layer = gpu.model.layers[0].mlp.down_proj
+    assert layer.packed_0.device.type == torch.device(DEVICE).type and layer.packed_0.dtype == torch.uint8  # stored bytes on the GPU
+    ids = prompt()
+    kwargs = dict(max_new_tokens=12, disable_compile=True, **GREEDY)
+    assert_same_generation(gpu.generate(ids.to(DEVICE), **kwargs), model.generate(ids, **kwargs))
+    quantized_there = tiny(LLAMA).to(DEVICE)  # quantizing a model already on the GPU
+    TorchAoConfig(quant_type, group_size=group_size).quantize_model(quantized_there)
+    assert quantized_there(ids.to(DEVICE)).logits.isfinite().all()
+
+
+def test_continuous_batching_on_cuda_equals_generate_alone():
+    gpu = on(tiny(LLAMA), DEVICE)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 90, (10,), generator=g)]
+    config = ContinuousBatchingConfig(num_blocks=96, max_batch_tokens=64, max_num_seqs=6)
+    outputs = gpu.generate_batch(prompts, max_new_tokens=12, do_sample=False, continuous_batching_config=config)
+    for i, p in enumerate(prompts):
+        alone = gpu.generate(torch.tensor([p], device=DEVICE), max_new_tokens=12, do_sample=False)
+        assert outputs[f"req_{i}"].generated_tokens == alone[0, len(p):].tolist(), f"request {i}"
