@@ -206,6 +206,29 @@ def test_n_stop_strings_and_logprobs(server, reference):
     assert [len(t.top_logprobs) for t in chat.choices[0].logprobs.content] == [3, 3, 3]
 
 
+def test_ignore_eos_goes_on_past_the_end_of_sequence_token(tiny, reference, tmp_path):
+    """The tiny checkpoint again, with its end-of-sequence token set to the third token it answers with."""
+    prompt = "Once upon a time, there was a"
+    eos = reference.tokenizer(reference(prompt, 3))["input_ids"][-1]
+    for name in ("config.json", "generation_config.json"):
+        settings = json.loads((tiny / name).read_text())
+        (tmp_path / name).write_text(json.dumps({**settings, "eos_token_id": eos}))
+    for name in os.listdir(tiny):
+        if not (tmp_path / name).exists():
+            os.symlink(tiny / name, tmp_path / name)
+    server = Server(tmp_path)
+    try:
+        client = server.client()
+        stopped = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 3
+        full = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert (full.choices[0].text, full.choices[0].finish_reason) == (reference(prompt, 12), "length")
+        assert full.usage.completion_tokens == 12
+    finally:
+        server.close()
+
+
 def test_models_health_and_metrics(server):
     assert [m.id for m in server.client().models.list().data] == ["tiny"]
     assert json.loads(urllib.request.urlopen(f"{server.url}/health").read()) == {"status": "ok"}

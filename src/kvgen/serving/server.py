@@ -2,6 +2,7 @@
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or server-sent events
 with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
+Beyond OpenAI's fields a body may set ``ignore_eos`` (as vLLM and llama.cpp's server do).
 The server validates, turns each HTTP request into engine requests and streams back; all of the
 policy lives in the scheduler. Errors are OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: 400 bad values, 401 wrong key, 404 unknown model or route, 422 wrong types, 429 full
@@ -72,6 +73,8 @@ class _Body(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
+
 
 
 class CompletionRequest(_Body):
@@ -399,7 +402,7 @@ class Service:
         t = body.temperature  # 0: greedy; unset (with top_p unset): the model's generation config
         sampling = dict(do_sample=None if t is None and body.top_p is None else t != 0, temperature=t or None,
                         top_p=body.top_p, seed=body.seed, stop_strings=stops or None, num_return_sequences=body.n,
-                        top_logprobs=top_logprobs)
+                        top_logprobs=top_logprobs, eos_token_id=[] if body.ignore_eos else None)
         job = _Job(prompts, body.n)
         for p, prompt in enumerate(prompts):
             ids = job.engine_ids(p)
