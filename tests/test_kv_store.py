@@ -135,6 +135,29 @@ def test_a_second_replica_loads_the_blocks_the_first_computed(model, redis_serve
     assert b.stats()["kv_store_misses"] >= 1
 
 
+def test_running_requests_go_on_while_a_prompt_is_read_from_redis(model, redis_server):
+    ids = prompt(100)
+    run(replica(model, redis_server.url), ids)  # computes and writes its 6 full blocks
+    b = replica(model, redis_server.url)
+    read = b.store._fetch
+    b.store._fetch = lambda keys: time.sleep(1.0) or read(keys)  # a slow Redis: 1 s a read
+    with b:
+        running = b.add_request(prompt(20, seed=3), max_new_tokens=300, streaming=True)
+        times = []
+        for output in b.request_id_iter(running):
+            times.append(time.perf_counter())
+            if len(times) == 2:
+                start = time.perf_counter()
+                fetched = b.add_request(ids, max_new_tokens=6)
+            if output.is_finished() or time.perf_counter() - times[0] > 5:
+                b.cancel_request(running)
+                break
+        out = b.get_result(fetched, timeout=60)
+    during = sum(start + 0.1 < t < start + 0.9 for t in times)
+    assert during >= 10, f"{during} tokens of the running request while the other one's blocks were read"
+    assert out.cached_prompt_tokens == 96 and out.generated_tokens == alone(model, ids, 6)
+
+
 def test_an_entry_of_another_model_is_ignored_and_recomputed(model, redis_server, caplog):
     ids = prompt(100)
     run(replica(model, redis_server.url), ids)

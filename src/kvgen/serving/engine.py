@@ -312,6 +312,10 @@ class ContinuousBatchingManager:
                     self._wake.clear()
                     continue
                 batch = self.scheduler.schedule()
+                if not batch and self.scheduler.waits_for_store():  # nothing else to do meanwhile
+                    self._wake.wait(0.002)
+                    self._wake.clear()
+                    continue
                 if not batch:  # every block is held by waiting prefixes: cannot happen with checked requests
                     raise RuntimeError("the scheduler found nothing to run while requests are waiting")
                 results = self.runner.step(batch)

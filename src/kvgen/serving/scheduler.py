@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -84,6 +85,7 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrivals))
     preemptions: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    fetching: Future | None = None  # its prompt's blocks being read from the shared store
 
     def __post_init__(self):
         if not self.tokens:
@@ -156,6 +158,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             if not seq.tables:
+                if not self._fetched(seq):
+                    break  # its blocks are on their way from the shared store; the running ones go on
                 self._match_prefix(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
             if not self._reserve(seq, seq.num_computed + n):
@@ -171,20 +175,51 @@ class Scheduler:
         """First block a layer with ``window`` still reads when the next query is at ``position``."""
         return 0 if window is None else max(0, position - window + 1) // self.block_size
 
+    def waits_for_store(self) -> bool:
+        """Whether the next waiting request waits for blocks being read from the shared store."""
+        return bool(self.waiting) and self.waiting[0].fetching is not None
+
+    def _prefix_keys(self, seq: Sequence) -> list[bytes]:
+        """The prefix keys of the full blocks of ``seq`` before its last token (computed once)."""
+        full = (len(seq.tokens) - 1) // self.block_size
+        if len(seq.keys) < full:
+            previous = seq.keys[-1] if seq.keys else None
+            start = len(seq.keys) * self.block_size
+            seq.keys += prefix_keys(seq.tokens[start: full * self.block_size], self.block_size, previous)
+        return seq.keys[:full]
+
+    def _fetched(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can be matched now: no shared store, no block missing here, or the store's read
+        (started on the first call, in the background) is done and its blocks are in the pool."""
+        if self.store is None:
+            return True
+        pool = self.pools["full_attention"][0]
+        keys = self._prefix_keys(seq)
+        if seq.fetching is None:
+            local = pool.lookup(keys)
+            if None not in local:
+                return True
+            seq.fetching = self.store.fetch(keys[local.index(None):])
+        if not seq.fetching.done():
+            return False
+        found, seq.fetching = seq.fetching.result(), None
+        held = pool.lookup(keys)
+        held = held[:held.index(None)] if None in held else held
+        pool.share(held)  # the local chain is not evicted for the store's blocks
+        try:
+            self.store.install(pool, found)
+        finally:
+            pool.free(held)
+        return True
+
     def _match_prefix(self, seq: Sequence) -> None:
         """Start ``seq`` from the longest cached prefix (at least one token left to compute): full layers need
         its every block, sliding layers the blocks of its last window."""
         seq.tables = {kind: [] for kind in self.pools}
         if not self.prefix_caching:
             return
-        full = (len(seq.tokens) - 1) // self.block_size
-        if len(seq.keys) < full:
-            previous = seq.keys[-1] if seq.keys else None
-            start = len(seq.keys) * self.block_size
-            seq.keys += prefix_keys(seq.tokens[start: full * self.block_size], self.block_size, previous)
+        full = len(self._prefix_keys(seq))
         found = {kind: pool.lookup(seq.keys[:full]) for kind, (pool, _) in self.pools.items()}
-        if self.store is not None and None in found["full_attention"]:
-            found["full_attention"] = self._fetch(seq.keys[:full], found["full_attention"])
         hit = full
         while hit > 0 and not all(None not in found[kind][self._first_needed(window, hit * self.block_size): hit]
                                   for kind, (_, window) in self.pools.items()):
@@ -199,17 +234,6 @@ class Scheduler:
             seq.cached_prompt_tokens = seq.num_computed
             self.query_tokens += len(seq.prompt)
             self.hit_tokens += seq.num_computed
-
-    def _fetch(self, keys: list[bytes], local: list[int | None]) -> list[int | None]:
-        """The blocks of ``keys`` after the shared store has filled what follows the local chain."""
-        pool = self.pools["full_attention"][0]
-        have = local.index(None)
-        pool.share(local[:have])  # the local chain is not evicted for the store's blocks
-        try:
-            self.store.load(pool, keys[have:])
-        finally:
-            pool.free(local[:have])
-        return pool.lookup(keys)
 
     def _reserve(self, seq: Sequence, tokens: int) -> bool:
         """Give ``seq`` blocks for its first ``tokens`` tokens in every pool; False (nothing taken) when one is short."""

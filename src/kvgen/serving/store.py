@@ -14,8 +14,9 @@ which then skips that part of the prefill.
   dtype, the shapes, the prefix key) and the sha256 of that document and the tensor bytes.
 
 A value whose checksum, fingerprint or prefix key does not match is never used: it is logged,
-deleted, and the block is computed (and written again). Writes run in a background thread, off
-the engine's step; blocks known to be in Redis are not sent again. When Redis cannot be reached
+deleted, and the block is computed (and written again). Reads and writes run in background threads,
+off the engine's step (a request waits for its blocks while the running ones go on); blocks known
+to be in Redis are not sent again. When Redis cannot be reached
 (at start or later) the store logs it once and the engine goes on with its local cache alone,
 trying Redis again every ``retry_after`` seconds; no request fails for it.
 """
@@ -30,6 +31,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -56,7 +58,8 @@ class PrefixStore:
 
     Example:
         >>> store = PrefixStore("redis://127.0.0.1:6379/0", model, cache)     # doctest: +SKIP
-        >>> store.load(pool, prefix_keys(prompt, 16))   # blocks Redis held, now cached in pool  # doctest: +SKIP
+        >>> fetched = store.fetch(prefix_keys(prompt, 16))  # a Future: Redis is read in the background  # doctest: +SKIP
+        >>> store.install(pool, fetched.result())  # blocks Redis held, now cached in pool  # doctest: +SKIP
         7
         >>> store.save(block, key); store.flush()        # a block filled here goes to Redis  # doctest: +SKIP
     """
@@ -96,6 +99,7 @@ class PrefixStore:
         except self._errors as error:
             self._lost(error, "at start")
         threading.Thread(target=self._write_loop, name="kvgen-kv-store", daemon=True).start()
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvgen-kv-fetch")
 
     # -- state -------------------------------------------------------------------------------------------
     @property
@@ -142,14 +146,20 @@ class PrefixStore:
                 self._known.popitem(last=False)
 
     # -- loading -----------------------------------------------------------------------------------------
-    def load(self, pool: BlockPool, keys: list[bytes]) -> int:
-        """Copy the leading blocks of the chain ``keys`` that Redis holds into free blocks of ``pool``, keyed
-        there as cached prefix blocks (not held); returns how many. Stops at the first block that is absent or
-        rejected, and takes at most ``pool.num_free - 1`` blocks (one is left for the prompt's tail)."""
-        keys = keys[:max(0, pool.num_free - 1)]
+    def fetch(self, keys: list[bytes]) -> Future:
+        """The leading entries of the chain ``keys`` that Redis holds and that pass the checks, read in a
+        background thread (round trips, checksums, decoding): a Future of ``(key, keys, values)`` for
+        :meth:`install`. Stops at the first block that is absent or rejected."""
         if not keys or not self.available:
-            return 0
-        found = self._fetch(keys)
+            done = Future()
+            done.set_result([])
+            return done
+        return self._reader.submit(self._fetch, keys)
+
+    def install(self, pool: BlockPool, found: list[tuple[bytes, torch.Tensor, torch.Tensor]]) -> int:
+        """Copy fetched entries into free blocks of ``pool``, keyed there as cached prefix blocks (not held);
+        returns how many. Takes at most ``pool.num_free - 1`` blocks (one is left for the prompt's tail)."""
+        found = found[:max(0, pool.num_free - 1)]
         if not found:
             return 0
         blocks = pool.allocate(len(found))
