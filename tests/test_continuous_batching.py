@@ -363,3 +363,17 @@ def test_the_loop_thread_computes_after_the_caller_releases_its_openmp_threads()
     results.append(a @ b)
     for got in results:
         torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_the_engine_packs_the_weights_while_it_runs(model):
+    """Its linear layers read a packed copy of their weights while the engine runs, and drop it at stop;
+    with pack_weights=False they are never packed. Outputs are the same either way (test above)."""
+    layers = [m for m in model.modules() if isinstance(m, kvgen.models.linear.Linear)]
+    with model.init_continuous_batching(continuous_batching_config=cb()) as manager:
+        assert all(layer._onednn is not None for layer in layers) or kvgen.models.linear._ONEDNN_LINEAR is None
+        manager.get_result(manager.add_request([1, 2, 3], max_new_tokens=2), timeout=60)
+    assert all(layer._onednn is None for layer in layers)
+    outputs = model.generate_batch([[1, 2, 3]], max_new_tokens=4, do_sample=False,
+                                   continuous_batching_config=cb(pack_weights=False))
+    assert outputs["req_0"].generated_tokens == alone(model, [1, 2, 3], 4)
+    assert all(layer._onednn is None for layer in layers)

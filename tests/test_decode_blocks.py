@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 from kvgen import DynamicCache, GenerationConfig, LlamaForCausalLM, PretrainedConfig, StaticCache
 from kvgen.models.decode_blocks import MAX_ROWS, eager_blocks
+from kvgen.models import linear
 from kvgen.models.linear import Linear
 
 CONFIG = dict(model_type="llama", vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=3,
@@ -54,6 +55,28 @@ def test_eager_linear_equals_f_linear(shape):
         for x in (torch.randn(shape), torch.randn(*shape[:-1], 96)[..., ::2]):
             with torch.no_grad():
                 torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(linear._ONEDNN_LINEAR is None, reason="this torch has no oneDNN matmul")
+def test_packed_linear_products_follow_the_weight():
+    """A packed layer (its weight copied into oneDNN's layout) computes F.linear for any number of rows, and packs
+    again when its weight is changed in place or replaced; unpacked, the copy is gone."""
+    torch.manual_seed(0)
+    layer = Linear(96, 80)
+    assert layer.pack() == 96 * 80 * 4 and layer._onednn is not None
+    with torch.no_grad():
+        for rows in (1, 3, 14, 64, 200):
+            x = torch.randn(rows, 96)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        layer.weight.mul_(-2)  # in place: the copy is stale
+        x = torch.randn(5, 96)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(80, 96))  # replaced
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    model = torch.nn.Sequential(layer, Linear(80, 8))
+    assert linear.pack_weights(model) == (96 * 80 + 80 * 8) * 4
+    linear.pack_weights(model, pack=False)
+    assert all(m._onednn is None for m in model)
 
 
 def decode(model, steps=5, batch=2):

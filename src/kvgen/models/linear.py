@@ -7,7 +7,9 @@ reduction per row over the weight, inductor generates a single pass over the mat
 one accumulator per row, vectorised along the input dimension: for one row, the 113 MB
 ``lm_head`` of SmolLM2 streams at about 1.3x the speed of a tensor copy on this 2-core host.
 Outside compiled blocks (prefill, eager steps, ragged batches) products go through oneDNN's
-matmul (:func:`matmul`).
+matmul (:func:`matmul`), which reorders the weight into its blocked layout at every call; a
+layer that :meth:`Linear.pack` gave a reordered copy skips that (:func:`pack_weights`: the
+continuous-batching engine packs its model's weights while it runs).
 """
 
 from __future__ import annotations
@@ -19,16 +21,28 @@ from torch import nn
 from kvgen.models.decode_blocks import MAX_ROWS
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through oneDNN's matmul for float32 on the CPU outside autograd and compile. On an
-    AMD EPYC (Zen 4, 2 threads) it ran 64-512 rows at 174-218 GFLOP/s where MKL's ``F.linear`` ran at
-    109-197 (a 49152-row ``lm_head``: 174 vs 109), and streamed SmolLM2's layer weights for 1-8 rows
-    at 14-19 GB/s where MKL streamed 8-12."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through oneDNN's matmul for float32 on the CPU outside autograd and compile (with
+    ``packed``, the weight in oneDNN's layout, when given). On an AMD EPYC (Zen 4, 2 threads) it ran
+    64-512 rows at 174-218 GFLOP/s where MKL's ``F.linear`` ran at 109-197 (a 49152-row ``lm_head``:
+    174 vs 109), and streamed SmolLM2's layer weights for 1-8 rows at 14-19 GB/s where MKL streamed 8-12."""
     if (_ONEDNN_LINEAR is not None and x.is_cpu and x.dtype == weight.dtype == torch.float32
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
-        y = _ONEDNN_LINEAR(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")  # (rows, out)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        y = _ONEDNN_LINEAR(x.reshape(-1, x.shape[-1]), weight if packed is None else packed, bias, "none", [], "")
+        return y.view(*x.shape[:-1], weight.shape[0])  # (..., out)
     return F.linear(x, weight, bias)
+
+
+def pack_weights(model: nn.Module, pack: bool = True) -> int:
+    """:meth:`Linear.pack` every :class:`Linear` of ``model`` (``pack=False``: drop the copies); returns the
+    bytes the copies take. SmolLM2-135M's layers (30 x 4 products and the ``lm_head``, float32, AMD EPYC
+    Zen 4, 2 threads): 14 rows 83 -> 29 ms, 64 rows 171 -> 96 ms, 256 rows 517 -> 345 ms."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            total += module.pack() if pack else module.unpack()
+    return total
 
 
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
@@ -44,11 +58,31 @@ class Linear(nn.Linear):
         True
     """
 
+    _onednn: tuple[int, int, torch.Tensor] | None = None  # (weight's data_ptr, its _version, reordered copy)
+
+    def pack(self) -> int:
+        """Keep a copy of the float32 CPU weight in oneDNN's blocked layout for eager products, which then
+        skip reordering it at every call (a second copy of the weight; :meth:`unpack` drops it). A weight
+        changed in place or replaced later is packed again at its next product. Returns the copy's bytes."""
+        if _ONEDNN_LINEAR is None or self.weight.device.type != "cpu" or self.weight.dtype != torch.float32:
+            return 0
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 16)
+        self._onednn = (self.weight.data_ptr(), self.weight._version, packed)
+        return self.weight.nbytes
+
+    def unpack(self) -> int:
+        self._onednn = None
+        return 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if (rows > MAX_ROWS or x.device.type != "cpu" or self.weight.dtype != torch.float32
                 or not torch.compiler.is_compiling()):
-            return matmul(x, self.weight, self.bias)
+            packed = None if torch.compiler.is_compiling() else self._onednn
+            if packed is not None and (packed[0], packed[1]) != (self.weight.data_ptr(), self.weight._version):
+                self.pack()  # the weight changed since it was packed
+                packed = self._onednn
+            return matmul(x, self.weight, self.bias, None if packed is None else packed[2])
         x2 = x.reshape(rows, x.shape[-1])
         if rows > 1:  # as_strided makes inductor store the input once: inlined, its producer (a norm,
             # silu(gate) * up) is recomputed for every output feature, and 2-8 rows become compute-bound

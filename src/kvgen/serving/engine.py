@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from kvgen.cache.paged import PagedAttentionCache
 from kvgen.generation.config import GenerationConfig
+from kvgen.models.linear import pack_weights
 from kvgen.serving.blocks import BlockPool
 from kvgen.serving.runner import ModelRunner
 from kvgen.serving.scheduler import RequestStatus, SamplingParams, Scheduler, Sequence
@@ -81,6 +82,9 @@ class ContinuousBatchingConfig:
     unless ``num_blocks`` is given. ``max_batch_tokens``: tokens per forward pass (prompts are
     prefilled in chunks of what is left). ``max_num_seqs``: running sequences at most. ``kv_store``:
     ``redis://host:port/db`` of a prefix-block store shared with other replicas (:mod:`kvgen.serving.store`).
+    ``pack_weights``: while the engine runs, float32 CPU linear layers keep a copy of their weight in
+    oneDNN's layout (:func:`kvgen.models.linear.pack_weights`): steps of 14 rows ran their products
+    2.9x faster, 64 rows 1.8x (SmolLM2-135M, AMD EPYC Zen 4), for a second copy of those weights.
     """
 
     block_size: int = 16
@@ -91,6 +95,7 @@ class ContinuousBatchingConfig:
     prefix_caching: bool = True
     max_queue: int | None = None  # waiting requests at most (None: no bound); add_request raises QueueFull past it
     kv_store: str | None = None
+    pack_weights: bool = True
 
 
 class QueueFull(RuntimeError):
@@ -150,7 +155,9 @@ class ContinuousBatchingManager:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopping = False
-        release_openmp_threads()
+        if self.config.pack_weights:
+            pack_weights(self.model)
+        release_openmp_threads()  # after any torch work of this thread (packing runs OpenMP regions)
         self._thread = threading.Thread(target=self._loop, name="kvgen-continuous-batching", daemon=True)
         self._thread.start()
 
@@ -163,6 +170,8 @@ class ContinuousBatchingManager:
         self._wake.set()
         if block and self._thread is not None:
             self._thread.join(timeout)
+        if self.config.pack_weights and not self.is_running():
+            pack_weights(self.model, pack=False)
 
     def __enter__(self):
         self.start()
