@@ -132,7 +132,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tiny):
-    s = Server(tiny, "--api-key", KEY, "--max-num-seqs", "16", "--max-queue", "128")
+    s = Server(tiny, "--api-key", KEY, "--max-num-seqs", "16", "--max-queue", "128", "--max-batch-tokens", "48")
     yield s
     s.close()
 

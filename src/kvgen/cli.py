@@ -240,8 +240,9 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
     model, tokenizer = load(args.model, args.dtype)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_memory=args.kv_cache_memory,
-                                      max_queue=args.max_queue, kv_store=args.kv_store)
+    engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
+                                      max_memory=args.kv_cache_memory, max_queue=args.max_queue,
+                                      kv_store=args.kv_store)
     app = create_app(model, tokenizer, name, engine_config=engine, api_key=args.api_key)
     serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     return 0
@@ -325,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $KVGEN_API_KEY)")
     s.add_argument("--max-num-seqs", type=_positive_int, default=32, help="sequences decoded together at most")
+    s.add_argument("--max-batch-tokens", type=_positive_int, default=256,
+                   help="tokens per forward pass (decodes and prompt chunks); fewer: steadier inter-token latency")
     s.add_argument("--max-queue", type=_positive_int, default=256,
                    help="waiting requests at most; past it requests get 429 with Retry-After")
     s.add_argument("--kv-cache-memory", default="1GiB",
