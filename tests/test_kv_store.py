@@ -158,6 +158,27 @@ def test_running_requests_go_on_while_a_prompt_is_read_from_redis(model, redis_s
     assert out.cached_prompt_tokens == 96 and out.generated_tokens == alone(model, ids, 6)
 
 
+def test_a_quick_answer_of_the_store_admits_the_request_in_the_same_step():
+    """A read that returns within milliseconds (often: nothing there) costs the request no step."""
+    from kvgen.serving.blocks import BlockPool
+    from kvgen.serving.scheduler import SamplingParams, Scheduler, Sequence
+
+    class QuickStore:  # answers from a background thread after 1 ms: no block there
+        def __init__(self):
+            self.reader = ThreadPoolExecutor(1)
+
+        def fetch(self, keys):
+            return self.reader.submit(lambda: time.sleep(0.001) or [])
+
+        def install(self, pool, found):
+            return len(found)
+
+    scheduler = Scheduler({"full_attention": (BlockPool(64, 16), None)}, 8, 256, store=QuickStore())
+    seq = Sequence("a", list(range(40)), SamplingParams(max_new_tokens=4))
+    scheduler.add(seq)
+    assert scheduler.schedule() == [(seq, 40)]
+
+
 def test_an_entry_of_another_model_is_ignored_and_recomputed(model, redis_server, caplog):
     ids = prompt(100)
     run(replica(model, redis_server.url), ids)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -63,6 +63,7 @@ class SamplingParams:
 
 
 _arrivals = itertools.count()
+_FETCH_WAIT = 0.01  # seconds a step waits for a shared-store read before it goes on without the request
 
 
 @dataclass(eq=False)
@@ -200,6 +201,7 @@ class Scheduler:
             if None not in local:
                 return True
             seq.fetching = self.store.fetch(keys[local.index(None):])
+            wait([seq.fetching], timeout=_FETCH_WAIT)  # a quick answer (often: none there) joins this step
         if not seq.fetching.done():
             return False
         found, seq.fetching = seq.fetching.result(), None
