@@ -16,11 +16,20 @@ Each part runs in a fresh process (its peak RSS is its own):
   and of a second request with the same system prompt and another question.
 * ``exactness``: 64 prompts (50-1,000 tokens, 64 new tokens, greedy) submitted together with
   staggered arrivals, compared token by token with ``generate()`` on each prompt alone.
+* ``http``: the closed-loop sweep again, through HTTP with the official ``openai`` client
+  (streaming ``/v1/completions``, the KJV windows as text, ``ignore_eos``), against servers
+  started in their own processes with the same threads: ``kvgen serve`` on the float32 folder
+  and ``transformers serve --continuous-batching`` on the same folder; ``kvgen serve`` on the
+  GGUF and llama.cpp's ``llama-server`` on the same GGUF (built by ``vs_llamacpp.py``, with a
+  slot per client). The HTTP overhead is kvgen's in-process rate at 16 clients (``sweep``, same
+  settings) over its HTTP rate. Latencies are those of streamed chunks (a chunk may carry
+  several tokens); output tokens are the servers' ``usage`` counts.
 
 Writes ``benchmarks/results/serving.json`` and ``serving.png``.
 
     python benchmarks/serving.py                       # everything (~30 minutes on 2 cores)
     python benchmarks/serving.py --parts offline prefix --quick
+    python benchmarks/serving.py --parts sweep http           # the engine in process and through HTTP
 """
 
 from __future__ import annotations
@@ -29,8 +38,11 @@ import argparse
 import json
 import os
 import random
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,9 +50,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quantized_quality import kjv_ids  # noqa: E402
 from vs_llamacpp import _cpu as cpu  # noqa: E402
+from vs_llamacpp import llama_cpp_tool  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("offline", "sweep", "prefix", "exactness")
+PARTS = ("offline", "sweep", "prefix", "exactness", "http")
+HTTP_SYSTEMS = ("kvgen", "transformers", "kvgen-gguf", "llama.cpp")
 
 
 def workload(text: list[int], n: int, prompt: tuple[int, int], new: tuple[int, int], seed: int):
@@ -227,6 +241,161 @@ def worker_exactness(args, model, tokenizer) -> dict:
     return {"requests": len(requests), "identical": len(requests) - len(differing), "differing": differing}
 
 
+# -- through HTTP ----------------------------------------------------------------------------------------
+
+
+class HTTPServer:
+    """A server in its own process on a free loopback port: started, awaited, its peak RSS read, stopped."""
+
+    def __init__(self, command: list[str], threads: int, ready_timeout: float = 900):
+        import urllib.error
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [part.replace("{port}", str(self.port)) for part in command]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.log = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.url}/health", timeout=2)  # kvgen, llama.cpp: 200 once loaded
+                return
+            except urllib.error.HTTPError as error:
+                if error.code == 404:  # transformers serve has no /health; it answers once its model is loaded
+                    return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                output = self.log.read()[-3000:]
+                self.close()
+                raise SystemExit(f"{' '.join(command[:4])} did not start:\n{output}")
+            time.sleep(0.5)
+
+    def peak_rss_mb(self) -> float:
+        with open(f"/proc/{self.process.pid}/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+def server_command(system: str, args, folder: str, gguf: str) -> list[str]:
+    max_seqs = str(max(args.concurrency))
+    if system in ("kvgen", "kvgen-gguf"):
+        model = ["--model", folder, "--dtype", "float32"] if system == "kvgen" else ["--model", gguf]
+        return [sys.executable, "-m", "kvgen.cli", "serve", *model, "--served-model-name", "model", "--port", "{port}",
+                "--max-num-seqs", max_seqs, "--max-batch-tokens", str(args.max_batch_tokens), "--max-queue", "1024",
+                "--kv-cache-memory", args.kv_memory]
+    if system == "transformers":
+        return [str(Path(sys.executable).with_name("transformers")), "serve", folder, "--continuous-batching",
+                "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1", "--port", "{port}",
+                "--cb-max-batch-tokens", str(args.max_batch_tokens)]
+    context = int(max_seqs) * (args.prompt[1] + args.new[1] + 64)  # a slot per client, each holding a request
+    return [str(llama_cpp_tool("llama-server")), "-m", gguf, "-t", str(args.threads), "-np", max_seqs,
+            "-c", str(context), "--host", "127.0.0.1", "--port", "{port}", "--alias", "model"]
+
+
+def run_http_load(url: str, model: str, system: str, requests: list[tuple[str, int]], concurrency: int) -> dict:
+    """The closed loop of :func:`run_load` with ``concurrency`` openai clients streaming ``/v1/completions``."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600)
+    extra = ({"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}
+             if system == "transformers" else {"ignore_eos": True})
+    ttft, itl, tokens, lock = [], [], [0], threading.Lock()
+    queue_ = list(requests)
+    start = time.perf_counter()
+
+    def one(prompt: str, new: int) -> None:
+        sent, last, usage, chunks = time.perf_counter(), None, None, 0
+        stream = client.completions.create(model=model, prompt=prompt, max_tokens=new, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body=extra)
+        for chunk in stream:
+            usage = chunk.usage or usage
+            if not any(choice.text for choice in chunk.choices):
+                continue
+            now, chunks = time.perf_counter(), chunks + 1
+            with lock:
+                (ttft if last is None else itl).append(now - (sent if last is None else last))
+            last = now
+        with lock:
+            tokens[0] += usage.completion_tokens if usage else chunks
+
+    errors = []
+
+    def client_loop():
+        while not errors:
+            with lock:
+                if not queue_:
+                    return
+                prompt, new = queue_.pop(0)
+            try:
+                one(prompt, new)
+            except Exception as error:  # noqa: BLE001 - raised below, in the caller's thread
+                errors.append(error)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) to {system} failed: {errors[0]!r}") from errors[0]
+    elapsed = time.perf_counter() - start
+    ms = lambda v: None if v is None else round(1000 * v, 1)  # noqa: E731
+    return {"requests": len(requests), "seconds": round(elapsed, 2),
+            "output_tok_per_s": round(tokens[0] / elapsed, 2), "requests_per_s": round(len(requests) / elapsed, 4),
+            "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
+            "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99))}
+
+
+def part_http(args, in_process: dict | None, previous: dict | None) -> dict:
+    import kvgen
+    from kvgen.loading.default_model import default_gguf_path, default_model_dir
+
+    folder, gguf = str(default_model_dir()), str(default_gguf_path())
+    tokenizer = kvgen.AutoTokenizer.from_pretrained(folder)
+    text = kjv_ids(tokenizer, 60000).tolist()
+    out = {system: result for system, result in (previous or {}).items() if system in HTTP_SYSTEMS}
+    for system in args.http_systems:
+        server = HTTPServer(server_command(system, args, folder, gguf), args.threads)
+        model = folder if system == "transformers" else "model"  # transformers serve takes its pinned model's name
+        try:
+            warm_up = [(tokenizer.decode(p), 8) for p, _ in workload(text, 2, args.prompt, (8, 8), seed=99)]
+            run_http_load(server.url, model, system, warm_up, 2)
+            levels = {}
+            for c in args.concurrency:
+                requests = [(tokenizer.decode(p), n) for p, n in
+                            workload(text, max(args.min_requests, c), args.prompt, args.new, seed=c)]
+                levels[str(c)] = run_http_load(server.url, model, system, requests, c)
+                print(f"{system} concurrency {c}: {levels[str(c)]}", flush=True)
+            out[system] = {"closed_loop": levels, "peak_rss_mb": round(server.peak_rss_mb())}
+        finally:
+            server.close()
+    at = "16" if 16 in args.concurrency else str(args.concurrency[-1])
+    rate = lambda system: out[system]["closed_loop"][at]["output_tok_per_s"]  # noqa: E731
+    if "kvgen" in out and "transformers" in out:
+        out[f"kvgen_over_transformers_at_{at}"] = round(rate("kvgen") / rate("transformers"), 2)
+    if "kvgen-gguf" in out and "llama.cpp" in out:
+        out[f"kvgen_gguf_over_llamacpp_at_{at}"] = round(rate("kvgen-gguf") / rate("llama.cpp"), 2)
+    if "kvgen" in out and in_process and at in in_process.get("closed_loop", {}):
+        engine = in_process["closed_loop"][at]["output_tok_per_s"]
+        out[f"http_overhead_at_{at}"] = round(1 - rate("kvgen") / engine, 3)
+    return out
+
+
 def worker(args) -> None:
     import torch
 
@@ -284,6 +453,11 @@ def chart(results: dict, path: Path) -> None:
     if "transformers" in offline:
         axes[0].axhline(offline["transformers"]["output_tok_per_s"], color="C3", ls=":",
                         label="transformers generate_batch (16 req.)")
+    for i, (system, result) in enumerate((results.get("http") or {}).items()):
+        if isinstance(result, dict) and "closed_loop" in result:
+            http = sorted(result["closed_loop"], key=int)
+            axes[0].plot([int(c) for c in http], [result["closed_loop"][c]["output_tok_per_s"] for c in http],
+                         "s--", ms=3, lw=1, color=f"C{i + 4}", label=f"HTTP: {system}")
     axes[0].set(xscale="log", xlabel="concurrent clients", ylabel="output tokens/s", title="throughput")
     axes[0].legend(fontsize=7)
     for key, ax, title in (("ttft", axes[1], "time to first token"), ("itl", axes[2], "inter-token latency")):
@@ -291,7 +465,8 @@ def chart(results: dict, path: Path) -> None:
             ax.plot([int(c) for c in levels], [r[f"{key}_ms_{q}"] for r in rows], "o-", label=q)
         ax.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title=title)
         ax.legend(fontsize=7)
-    fig.suptitle(f"SmolLM2-135M float32, {results['threads']} threads, {results['cpu']}", fontsize=9)
+    fig.suptitle(f"SmolLM2-135M float32 (HTTP kvgen-gguf and llama.cpp: the Q4_1 GGUF), {results['threads']} "
+                 f"threads, {results['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -301,6 +476,8 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="shorter prompts and outputs, fewer requests")
+    parser.add_argument("--systems", nargs="+", choices=HTTP_SYSTEMS, default=list(HTTP_SYSTEMS),
+                        help="servers the http part runs")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prompt, args.new = ((100, 400), (32, 64)) if args.quick else ((100, 1000), (64, 256))
@@ -309,6 +486,7 @@ def main() -> None:
     args.offline_new = 32 if args.quick else 128
     args.exact_requests = 16 if args.quick else 64
     args.kv_memory, args.max_batch_tokens = "2GiB", 64
+    args.http_systems = args.systems
     if args.worker:
         worker(args)
         return
@@ -325,8 +503,13 @@ def main() -> None:
                 o["kvgen"]["output_tok_per_s"] / o["kvgen-sequential"]["output_tok_per_s"], 2)
             results["offline"]["speedup_vs_transformers"] = round(
                 o["kvgen"]["output_tok_per_s"] / o["transformers"]["output_tok_per_s"], 2)
+        elif part == "http":
+            same = lambda part: part if part and part.get("quick") == args.quick else None  # noqa: E731
+            results["http"] = part_http(args, same(results.get("sweep")), same(results.get("http")))
+            results["http"]["quick"] = args.quick
         else:
             results[part] = spawn(args, part)
+            results[part]["quick"] = args.quick
         RESULTS.mkdir(exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
     chart(results, RESULTS / "serving.png")

@@ -41,7 +41,12 @@ PROMPT, NEW, BATCHES = 512, 128, (1, 4)
 
 def llama_bench() -> Path:
     """Path of ``llama-bench``, building it on first use."""
-    binaries = sorted(CACHE.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-bench"))
+    return llama_cpp_tool("llama-bench")
+
+
+def llama_cpp_tool(name: str) -> Path:
+    """Path of llama.cpp's ``llama-bench`` or ``llama-server``, building both on first use (~15 minutes)."""
+    binaries = sorted(CACHE.glob(f"llama_cpp_python-*/vendor/llama.cpp/build/bin/{name}"))
     if binaries:
         return binaries[-1]
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -49,16 +54,17 @@ def llama_bench() -> Path:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                         "llama-cpp-python", "-d", str(CACHE)], check=True)
     archive = sorted(CACHE.glob("llama_cpp_python-*.tar.gz"))[-1]
-    with tarfile.open(archive) as tar:
-        tar.extractall(CACHE, filter="data")
     source = CACHE / archive.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp"
-    print(f"building llama-bench in {source} (about 15 minutes)", file=sys.stderr)
+    if not source.exists():
+        with tarfile.open(archive) as tar:
+            tar.extractall(CACHE, filter="data")
+    print(f"building llama-bench and llama-server in {source} (about 15 minutes)", file=sys.stderr)
     subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
                    cwd=source, check=True)
-    subprocess.run(["cmake", "--build", "build", "--target", "llama-bench", "-j", str(os.cpu_count() or 1)],
-                   cwd=source, check=True)
-    return source / "build" / "bin" / "llama-bench"
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-bench", "llama-server",
+                    "-j", str(os.cpu_count() or 1)], cwd=source, check=True)
+    return source / "build" / "bin" / name
 
 
 def run_measured(command: list[str]) -> tuple[str, float]:
