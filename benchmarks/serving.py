@@ -75,6 +75,15 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
+def summary(requests: int, elapsed: float, tokens: int, ttft: list[float], itl: list[float]) -> dict:
+    """Rates and latency percentiles (ms) of a load run."""
+    ms = lambda v: None if v is None else round(1000 * v, 1)  # noqa: E731
+    return {"requests": requests, "seconds": round(elapsed, 2), "output_tok_per_s": round(tokens / elapsed, 2),
+            "requests_per_s": round(requests / elapsed, 4),
+            "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
+            "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99))}
+
+
 # -- kvgen under load -----------------------------------------------------------------------------------
 
 
@@ -119,12 +128,7 @@ def run_load(manager, requests, arrivals: list[float] | None = None, concurrency
         t.start()
     for t in threads:
         t.join()
-    elapsed = time.perf_counter() - start
-    ms = lambda v: None if v is None else round(1000 * v, 1)  # noqa: E731
-    return {"requests": len(requests), "seconds": round(elapsed, 2),
-            "output_tok_per_s": round(tokens[0] / elapsed, 2), "requests_per_s": round(len(requests) / elapsed, 4),
-            "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
-            "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99))}
+    return summary(len(requests), time.perf_counter() - start, tokens[0], ttft, itl)
 
 
 def worker_sweep(args, model, tokenizer) -> dict:
@@ -353,12 +357,7 @@ def run_http_load(url: str, model: str, system: str, requests: list[tuple[str, i
         t.join()
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) to {system} failed: {errors[0]!r}") from errors[0]
-    elapsed = time.perf_counter() - start
-    ms = lambda v: None if v is None else round(1000 * v, 1)  # noqa: E731
-    return {"requests": len(requests), "seconds": round(elapsed, 2),
-            "output_tok_per_s": round(tokens[0] / elapsed, 2), "requests_per_s": round(len(requests) / elapsed, 4),
-            "ttft_ms_p50": ms(percentile(ttft, 50)), "ttft_ms_p99": ms(percentile(ttft, 99)),
-            "itl_ms_p50": ms(percentile(itl, 50)), "itl_ms_p99": ms(percentile(itl, 99))}
+    return summary(len(requests), time.perf_counter() - start, tokens[0], ttft, itl)
 
 
 def part_http(args, in_process: dict | None, previous: dict | None) -> dict:
