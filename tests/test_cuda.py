@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import kvgen
-from kvgen import PretrainedConfig, SinkCache
+from kvgen import SinkCache
 from kvgen.serving import ContinuousBatchingConfig
 from kvgen.quantization import TorchAoConfig
+from test_persist import tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,16 +42,6 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = before
-
-
-def tiny(fields: dict, seed: int = 0):
-    torch.manual_seed(seed)
-    model = kvgen.AutoModelForCausalLM.from_config(PretrainedConfig(**fields)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return model.requires_grad_(False)
 
 
 def on(model, device):
