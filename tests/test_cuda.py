@@ -146,7 +146,8 @@ def test_quantized_weights_on_cuda_match_the_cpu_kernels(quant_type, group_size)
     TorchAoConfig(quant_type, group_size=group_size, modules_to_not_convert=[]).quantize_model(model)
     gpu = on(model, DEVICE)
     layer = gpu.model.layers[0].mlp.down_proj
-    assert layer.packed_0.device.type == torch.device(DEVICE).type and layer.packed_0.dtype == torch.uint8  # stored bytes on the GPU
+    stored = layer.packed_0  # the stored bytes, on the GPU
+    assert stored.device.type == torch.device(DEVICE).type and stored.dtype == torch.uint8
     ids = prompt()
     kwargs = dict(max_new_tokens=12, disable_compile=True, **GREEDY)
     assert_same_generation(gpu.generate(ids.to(DEVICE), **kwargs), model.generate(ids, **kwargs))
@@ -158,7 +159,8 @@ def test_quantized_weights_on_cuda_match_the_cpu_kernels(quant_type, group_size)
 def test_continuous_batching_on_cuda_equals_generate_alone():
     gpu = on(tiny(LLAMA), DEVICE)
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 90, (10,), generator=g)]
+    lengths = torch.randint(3, 90, (10,), generator=g)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
     config = ContinuousBatchingConfig(num_blocks=96, max_batch_tokens=64, max_num_seqs=6)
     outputs = gpu.generate_batch(prompts, max_new_tokens=12, do_sample=False, continuous_batching_config=config)
     for i, p in enumerate(prompts):

@@ -58,8 +58,8 @@ class PrefixStore:
 
     Example:
         >>> store = PrefixStore("redis://127.0.0.1:6379/0", model, cache)     # doctest: +SKIP
-        >>> fetched = store.fetch(prefix_keys(prompt, 16))  # a Future: Redis is read in the background  # doctest: +SKIP
-        >>> store.install(pool, fetched.result())  # blocks Redis held, now cached in pool  # doctest: +SKIP
+        >>> fetched = store.fetch(prefix_keys(prompt, 16))  # a Future: read in the background  # doctest: +SKIP
+        >>> store.install(pool, fetched.result())  # blocks Redis held, now cached in pool    # doctest: +SKIP
         7
         >>> store.save(block, key); store.flush()        # a block filled here goes to Redis  # doctest: +SKIP
     """
