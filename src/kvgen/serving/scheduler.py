@@ -63,6 +63,7 @@ class SamplingParams:
 
 
 _arrivals = itertools.count()
+_RUN = 4  # blocks a sequence of full layers takes at once while the pool has room (attention reads runs faster)
 _FETCH_WAIT = 0.01  # seconds a step waits for a shared-store read before it goes on without the request
 
 
@@ -246,7 +247,11 @@ class Scheduler:
             return False
         for kind, n in missing.items():
             if n > 0:
-                seq.tables[kind] += self.pools[kind][0].allocate(n)
+                (pool, window), table = self.pools[kind], seq.tables[kind]
+                if n < _RUN and window is None and pool.num_free >= _RUN * (len(self.running) + 2):
+                    # room: a run for what follows (sliding layers read a few blocks: they take what they need)
+                    n = _RUN
+                table += pool.allocate(n, after=table[-1] if table and table[-1] >= 0 else None)
         return True
 
     def computed(self, seq: Sequence, n: int) -> None:
