@@ -206,9 +206,7 @@ class Scheduler:
         if not seq.fetching.done():
             return False
         found, seq.fetching = seq.fetching.result(), None
-        held = pool.lookup(keys)
-        held = held[:held.index(None)] if None in held else held
-        pool.share(held)  # the local chain is not evicted for the store's blocks
+        held = pool.match_prefix(keys)  # the local chain, held: not evicted for the store's blocks
         try:
             self.store.install(pool, found)
         finally:

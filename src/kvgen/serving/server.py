@@ -76,7 +76,6 @@ class _Body(BaseModel):
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
 
 
-
 class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=5)
