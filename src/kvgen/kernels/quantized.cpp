@@ -9,9 +9,11 @@
 // bit for bit. qmatmul decodes each block once and, for up to 8 input rows, accumulates
 // d * sum(q * x) + m * sum(x) per group in 16-lane float32 accumulators (fused multiply-adds):
 // one pass over the stored bytes, fewer operations per weight than dequantizing first, and
-// the float32 dot product up to rounding order. Q4_0, Q4_1 and Q5_0 weights in tiles of 16 rows
-// (formats 2000 + type) put 16 rows' values in the lanes instead (matmul_tiles). The decoder ops
-// at the end run a decode step's layer around these products.
+// the float32 dot product up to rounding order. Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights in tiles of
+// 16 rows (formats 2000 + type) put 16 rows' values in the lanes instead (matmul_tiles); with
+// AVX-512 VNNI they take integer dot products of their stored values with x rounded to 21 bits per
+// block of 32 (matmul_tiles_dot). The decoder ops at the end run a decode step's layer around these
+// products.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -352,6 +355,8 @@ template <class G, int H, int BASE>
 struct Nibbles16 : Tiled<G, H> {
   template <class E> static void columns(typename Tiled<G, H>::None, const uint8_t* run, int j, E&& emit);
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
+  static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  template <class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 using Q4_0x16 = Nibbles16<Q4_0, 2, -8>;
 using Q4_1x16 = Nibbles16<Q4_1, 4, 0>;
@@ -361,12 +366,16 @@ struct Q5_0x16 : Tiled<Q5_0, 6> {  // head: d, then the 32-bit mask of 5th bits 
   static High state(const uint8_t* blk);
   template <class E> static void columns(const High& h, const uint8_t* run, int j, E&& emit);
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
+  static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  template <class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 
 // head: d and dmin; runs 0-11: the 6-bit scales and mins (k_scales' bytes), runs 12-139: the nibbles
 struct Q4_Kx16 : Tiled<Q4_K, 4> {
   template <int CH> static constexpr int SLOTS = 2 * std::max(1, CH / 2);  // two groups open at a time
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
+  static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  template <class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 
 // no head (d is the last two bytes of a block): runs 0-127 the low 4 bits, 128-191 the high 2 bits,
@@ -374,6 +383,8 @@ struct Q4_Kx16 : Tiled<Q4_K, 4> {
 struct Q6_Kx16 : Tiled<Q6_K, 0> {
   template <int CH> static constexpr int SLOTS = 4 * std::max(1, CH / 4);  // four groups open at a time
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
+  static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  template <class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 
 template <class T>
@@ -832,15 +843,252 @@ __attribute__((noinline)) void matmul_tiles(const float* x, int64_t ldx, const f
   }
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
+#define KVGEN_DOT8 1
+// ---- Integer dot products (AVX-512 VNNI) for the tiled 4-6-bit formats. The float32 path above
+// needs one multiply-add per weight and input row after widening each value to float32: one
+// thread ran compute-bound at 10-14 GB/s of stored bytes (Zen 4). Here the input rows are
+// rounded to 21 bits and a sign per block of 32 values, x~ = X * s with s = max|x| / (127 * 2^14)
+// and X split into three int8 levels X = X1 * 2^14 + X2 * 2^7 + X3, and each group's sum(q * X)
+// is three exact integer dot products of the unsigned stored values with the levels (vpdpbusd:
+// 4 products a lane per instruction), combined in float32: d * s * sum(q * X) + m * sum(x~) per
+// row. So the product is W @ x~ up to float32 rounding; x~ differs from x by at most
+// max|x| / 2^22 per block (float32 itself rounds at 2^-24 of each value).
+constexpr float XQ_MAX = 127.0f * 16384.0f;
+
+// the input rows, rounded: levels (R, 3, K) int8, scales (R, K / 32), sums of x~ per 16 values (R, K / 16)
+struct RoundedX {
+  int64_t K;
+  std::vector<int8_t> levels;
+  std::vector<float> scales, sums;
+};
+
+RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K) {
+  RoundedX out{K, std::vector<int8_t>(R * 3 * K), std::vector<float>(R * (K / 32)), std::vector<float>(R * (K / 16))};
+  const __m512i c64 = _mm512_set1_epi32(64), c127 = _mm512_set1_epi32(127);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const float* xb = x + r * ldx + 32 * b;
+      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+      const float s = amax / XQ_MAX, inv = amax > 0.0f ? XQ_MAX / amax : 0.0f;
+      out.scales[r * (K / 32) + b] = s;
+      for (int h = 0; h < 2; ++h) {
+        const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));  // |X| <= XQ_MAX
+        const __m512i x3 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, c64), c127), c64);  // -64..63
+        const __m512i y = _mm512_srai_epi32(_mm512_sub_epi32(X, x3), 7);
+        const __m512i x2 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(y, c64), c127), c64);
+        const __m512i x1 = _mm512_srai_epi32(_mm512_sub_epi32(y, x2), 7);  // -127..127
+        const int64_t k = 32 * b + 16 * h;
+        int8_t* q = out.levels.data() + r * 3 * K + k;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(x1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + K), _mm512_cvtepi32_epi8(x2));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 2 * K), _mm512_cvtepi32_epi8(x3));
+        out.sums[r * (K / 16) + k / 16] = s * (float)_mm512_reduce_add_epi32(X);
+      }
+    }
+  return out;
+}
+
+inline __m512 m512(const vf& v) {
+  __m512 out;
+  std::memcpy(&out, &v, 64);
+  return out;
+}
+
+// 4 runs of 16 bytes (byte i of run a: row i) -> byte 4 i + a: each row's 4 bytes in its lane
+inline __m512i by_row(const uint8_t* p) {
+  static const __m512i order = [] {
+    alignas(64) uint8_t idx[64];
+    for (int i = 0; i < 16; ++i)
+      for (int a = 0; a < 4; ++a) idx[4 * i + a] = (uint8_t)(16 * a + i);
+    return _mm512_load_si512(idx);
+  }();
+  return _mm512_permutexvar_epi8(order, _mm512_loadu_si512(p));
+}
+inline __m512i low4(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline __m512i high4(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+
+// acc += the products of u's bytes with the 4 bytes at p in every lane (the broadcast inside the
+// instruction: written separately, GCC loaded each broadcast into a register first)
+inline void dpbusd_broadcast(__m512i& acc, const __m512i& u, const int8_t* p) {
+  asm("vpdpbusd %[p]%{1to16%}, %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [p] "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+
+using Vectors8 = std::integral_constant<int, 8>;
+using Vectors4 = std::integral_constant<int, 4>;
+
+// dot_groups(blk, f): f(n, k0, u, d, m) for each group of 4 n values of a tile block from value k0
+// on: u[j] lane i holds values k0 + 4 j .. k0 + 4 j + 3 of row i as unsigned bytes, worth d * u + m
+template <class G, int H, int BASE>
+template <class F>
+void Nibbles16<G, H, BASE>::dot_groups(const uint8_t* blk, F&& f) {
+  __m512i u[8];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {  // runs 4 j .. 4 j + 3: values 4 j + a (low nibbles), 16 + 4 j + a (high)
+    const __m512i v = by_row(blk + 16 * H + 64 * j);
+    u[j] = low4(v);
+    u[4 + j] = high4(v);
+  }
+  const __m512 d = m512(f16_fields(blk));
+  f(Vectors8{}, 0, u, d, G::HAS_MIN ? m512(f16_fields(blk + 32)) : _mm512_mul_ps(d, _mm512_set1_ps((float)BASE)));
+}
+
+template <class F>
+void Q5_0x16::dot_groups(const uint8_t* blk, F&& f) {
+  // row i's 32-bit mask of 5th bits in lane i; byte 4 i + a of u[j] takes bit 4 j + a of it (u[4 + j]:
+  // bit 16 + 4 j + a), picked from the row's 64-bit half of the vector by vpshufbitqmb
+  const __m512i high = _mm512_or_si512(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32))),
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64))), 16));
+  static const __m512i bit = [] {
+    alignas(64) uint8_t idx[64];
+    for (int i = 0; i < 16; ++i)
+      for (int a = 0; a < 4; ++a) idx[4 * i + a] = (uint8_t)(32 * (i % 2) + a);
+    return _mm512_load_si512(idx);
+  }();
+  const __m512i fifth = _mm512_set1_epi8(16);
+  __m512i u[8];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = by_row(blk + 96 + 64 * j), lo = low4(v), hi = high4(v);
+    const __mmask64 bl = _mm512_bitshuffle_epi64_mask(high, _mm512_add_epi8(bit, _mm512_set1_epi8((char)(4 * j))));
+    const __mmask64 bh = _mm512_bitshuffle_epi64_mask(high, _mm512_add_epi8(bit, _mm512_set1_epi8((char)(16 + 4 * j))));
+    u[j] = _mm512_mask_add_epi8(lo, bl, lo, fifth);
+    u[4 + j] = _mm512_mask_add_epi8(hi, bh, hi, fifth);
+  }
+  const __m512 d = m512(f16_fields(blk));
+  f(Vectors8{}, 0, u, d, _mm512_mul_ps(d, _mm512_set1_ps(-16.0f)));
+}
+
+template <class F>
+void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
+  const uint8_t* run = blk + 64;
+  const vf dd = f16_fields(blk), dmin = f16_fields(blk + 32);
+  vi sc[12];
+  for (int j = 0; j < 12; ++j) sc[j] = toi(load16(run + 16 * j));
+  __m512 d[8], m[8];  // as k_scales, 16 rows at a time (the min negated)
+  for (int j = 0; j < 4; ++j) {
+    d[j] = m512(dd * __builtin_convertvector(sc[j] & 0x3F, vf));
+    m[j] = m512(-(dmin * __builtin_convertvector(sc[j + 4] & 0x3F, vf)));
+    d[j + 4] = m512(dd * __builtin_convertvector((sc[j + 8] & 0x0F) | ((sc[j] >> 2) & 0x30), vf));
+    m[j + 4] = m512(-(dmin * __builtin_convertvector((sc[j + 8] >> 4) | ((sc[j + 4] >> 2) & 0x30), vf)));
+  }
+  for (int c = 0; c < 4; ++c) {  // byte i of chunk c: value 64 c + i (low nibble), 64 c + 32 + i (high)
+    __m512i lo[8], hi[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m512i v = by_row(run + 16 * (12 + 32 * c + 4 * j));
+      lo[j] = low4(v);
+      hi[j] = high4(v);
+    }
+    f(Vectors8{}, 64 * c, lo, d[2 * c], m[2 * c]);
+    f(Vectors8{}, 64 * c + 32, hi, d[2 * c + 1], m[2 * c + 1]);
+  }
+}
+
+template <class F>
+void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
+  const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+  const vf dd = f16_fields(&bits);
+  const __m512i n15 = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3), top = _mm512_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + 16 k + l for l in 0..15: group 8 h + 2 s + k
+      __m512i u[4][4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const int l = 16 * k + 4 * j;
+        const __m512i a = by_row(blk + 16 * (64 * h + l)), b = by_row(blk + 16 * (64 * h + 32 + l));
+        const __m512i hb = by_row(blk + 16 * (128 + 32 * h + l));
+        u[0][j] = _mm512_or_si512(_mm512_and_si512(a, n15), _mm512_slli_epi16(_mm512_and_si512(hb, two), 4));
+        u[1][j] = _mm512_or_si512(_mm512_and_si512(b, n15), _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
+        u[2][j] = _mm512_or_si512(high4(a), _mm512_and_si512(hb, top));
+        u[3][j] = _mm512_or_si512(high4(b), _mm512_and_si512(_mm512_srli_epi16(hb, 2), top));
+      }
+      for (int s = 0; s < 4; ++s) {
+        const int g = 8 * h + 2 * s + k;
+        const __m512 d = m512(dd * tof((vsb)load16(blk + 16 * (192 + g))));
+        f(Vectors4{}, 128 * h + 32 * s + 16 * k, u[s], d, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)));
+      }
+    }
+}
+
+template <class T>
+constexpr bool has_dot() { return requires { T::DOT; }; }
+
+// y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input (R <= 8)
+template <class T, int R>
+__attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
+                                                int64_t t1, float* y, int64_t ldy) {
+  constexpr int QK = T::Gguf::QK;
+  constexpr int64_t TB = 16 * T::Gguf::BYTES;
+  const int64_t K = x.K, nb = K / QK;
+  const int8_t* levels = x.levels.data() + r0 * 3 * K;
+  const float *scales = x.scales.data() + r0 * (K / 32), *sums = x.sums.data() + r0 * (K / 16);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * nb * TB;
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = tile + b * TB;
+      for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(blk + PREFETCH + l);
+      T::dot_groups(blk, [&](auto n, int k0, const __m512i* u, __m512 d, __m512 m) {
+        constexpr int N = decltype(n)::value;
+        const int64_t k = b * QK + k0;
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = levels + r * 3 * K + k;
+          __m512i dot[3][2] = {};  // two chains per level
+#pragma GCC unroll 8
+          for (int j = 0; j < N; ++j)
+#pragma GCC unroll 3
+            for (int l = 0; l < 3; ++l) dpbusd_broadcast(dot[l][j % 2], u[j], q + l * K + 4 * j);
+          __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[2][0], dot[2][1]));
+          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[1][0], dot[1][1])), _mm512_set1_ps(128.0f), sum);
+          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[0][0], dot[0][1])), _mm512_set1_ps(16384.0f), sum);
+          float xs = sums[r * (K / 16) + k / 16];
+          if constexpr (N == 8) xs += sums[r * (K / 16) + k / 16 + 1];
+          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scales[r * (K / 32) + k / 32])), sum, acc[r]);
+          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), acc[r]);
+        }
+      });
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + 16 * t, acc[r]);
+  }
+}
+#else
+struct RoundedX {};
+template <class T>
+constexpr bool has_dot() { return false; }
+#endif
+
 // the row length of group_sums: K / GROUP rounded up to 16 (matmul_rows reads 16 groups at a time)
 template <class T>
 int64_t group_sums_ld(int64_t K) { return (K / T::GROUP + 15) / 16 * 16; }
 
 // rows n0..n1 of one weight, every row of x (in runs of at most 8)
 template <class T>
-void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, const uint8_t* w, int64_t row_bytes,
-                  int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
+void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, const RoundedX& rx, const uint8_t* w,
+                  int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
   const int64_t xld = group_sums_ld<T>(K);
+#if defined(KVGEN_DOT8)
+  if constexpr (has_dot<T>()) {  // the tiles whose first row lies in n0..n1, 8 rows of x at a time
+    const int64_t t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16;
+    for (int64_t r = 0; r < R; r += 8) {
+      float* yr = y + r * ldy;
+      switch (std::min<int64_t>(8, R - r)) {
+        case 1: matmul_tiles_dot<T, 1>(rx, r, w, t0, t1, yr, ldy); break;
+        case 2: matmul_tiles_dot<T, 2>(rx, r, w, t0, t1, yr, ldy); break;
+        case 3: matmul_tiles_dot<T, 3>(rx, r, w, t0, t1, yr, ldy); break;
+        case 4: matmul_tiles_dot<T, 4>(rx, r, w, t0, t1, yr, ldy); break;
+        case 5: matmul_tiles_dot<T, 5>(rx, r, w, t0, t1, yr, ldy); break;
+        case 6: matmul_tiles_dot<T, 6>(rx, r, w, t0, t1, yr, ldy); break;
+        case 7: matmul_tiles_dot<T, 7>(rx, r, w, t0, t1, yr, ldy); break;
+        default: matmul_tiles_dot<T, 8>(rx, r, w, t0, t1, yr, ldy); break;
+      }
+    }
+    return;
+  }
+#endif
   if constexpr (tiled<T>()) {  // the tiles whose first row lies in n0..n1, in runs of RT rows of x
 #if defined(__AVX512F__)
     constexpr int RT = 8;
@@ -945,15 +1193,22 @@ at::Tensor qmatmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef forma
   struct Segment { int64_t format, start, rows, row_bytes; const uint8_t* w; std::vector<float> xsum; };
   std::vector<Segment> segments;
   int64_t N = 0;
+  bool rounded = false;  // some segment takes integer dot products: x rounded once for all of them
   for (size_t i = 0; i < ws.size(); ++i) {
     dispatch(formats[i], [&](auto t) {
       using T = decltype(t);
       check_weight(ws[i], K, T::QK, T::BYTES, has_row_scale<T>(), tile_rows<T>());
+      rounded |= has_dot<T>();
       segments.push_back({formats[i], N, ws[i].size(0), ws[i].stride(0), ws[i].data_ptr<uint8_t>(),
-                          group_sums<T>(xp, ldx, R, K)});
+                          has_dot<T>() ? std::vector<float>() : group_sums<T>(xp, ldx, R, K)});
     });
     N += ws[i].size(0);
   }
+#if defined(KVGEN_DOT8)
+  const RoundedX rx = rounded ? round_x(xp, ldx, R, K) : RoundedX{};
+#else
+  const RoundedX rx;
+#endif
   at::Tensor y = at::empty({R, N}, x.options());
   float* yp = y.data_ptr<float>();
   // grain: enough output rows per task that a task streams a few kB of weights
@@ -964,7 +1219,7 @@ at::Tensor qmatmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef forma
       if (lo >= hi) continue;
       dispatch(seg.format, [&](auto t) {
         using T = decltype(t);
-        matmul_range<T>(xp, ldx, R, seg.xsum.data(), seg.w, seg.row_bytes, lo - seg.start, hi - seg.start, K,
+        matmul_range<T>(xp, ldx, R, seg.xsum.data(), rx, seg.w, seg.row_bytes, lo - seg.start, hi - seg.start, K,
                         yp + seg.start, N);
       });
     }
