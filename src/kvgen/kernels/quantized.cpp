@@ -1459,11 +1459,10 @@ inline void sum4(const vn* x, float* out) {
 #endif
 }
 
-// for a few query rows: sc[s, r] = sum_d q[r, d] * k[s, d] for RR rows (q row-major, R x D) and
-// the 16 keys of a tile, as dot products along D, 4 keys at a time
+// for a few query rows: sc[r, s] = sum_d q[r, d] * k[s, d] for RR rows (q row-major, R x D) and
+// the 16 keys of a tile (sc row-major, the keys in lanes), as dot products along D, 4 keys at a time
 template <int RR>
-__attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const float* k, int64_t ks, int64_t Rp,
-                                               float* sc) {
+__attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const float* k, int64_t ks, float* sc) {
   for (int64_t s0 = 0; s0 < TILE; s0 += 4) {
     vn acc[RR][4] = {};
     const float* kk = k + s0 * ks;
@@ -1476,38 +1475,51 @@ __attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const 
 #endif
       }
       for (int j = 0; j < RR; ++j) {
-        const vn y = vload<vn>(q + j * D + d);
+        vn y = vload<vn>(q + j * D + d);
+#if defined(__AVX512F__)
+        asm("" : "+v"(y));  // loaded once: GCC would fold the load into each of the 4 multiply-adds (Zen 4: load-bound)
+#endif
         for (int i = 0; i < 4; ++i) acc[j][i] += x[i] * y;
       }
     }
     for (int j = 0; j < RR; ++j) {
       float t[4];
       sum4(acc[j], t);
-      for (int i = 0; i < 4; ++i) sc[(s0 + i) * Rp + j] = t[i];
+      for (int i = 0; i < 4; ++i) sc[j * TILE + s0 + i] = t[i];
     }
   }
 }
 
 // acc[i] = acc[i] * alpha[i] + sum_s p[s, i] * v[s] for RR consecutive query rows (acc rows of D
-// floats, value s at v + s * vs), 16 columns at a time
-template <int RR>
-__attribute__((noinline)) void tile_values(float* acc, int64_t D, const float* p, int64_t Rp, const float* alpha,
-                                           const float* v, int64_t vs) {
-  for (int64_t d = 0; d < D; d += 16) {
-    vn x[RR][DC];
+// floats, value s at v + s * vs, p[s, i] at p + s * ps + i * pi), 16 columns at a time
+// (32 columns a pass where D allows on AVX-512: each broadcast weight then serves two multiply-adds)
+template <int RR, int W = DC>
+void tile_values_by(float* acc, int64_t D, const float* p, int64_t ps, int64_t pi, const float* alpha,
+                    const float* v, int64_t vs) {
+  for (int64_t d = 0; d < D; d += W * LN) {
+    vn x[RR][W];
     for (int i = 0; i < RR; ++i)
-      for (int c = 0; c < DC; ++c) x[i][c] = vload<vn>(acc + i * D + d + c * LN) * alpha[i];
+      for (int c = 0; c < W; ++c) x[i][c] = vload<vn>(acc + i * D + d + c * LN) * alpha[i];
     for (int64_t s = 0; s < TILE; ++s) {
-      vn y[DC];
-      for (int c = 0; c < DC; ++c) y[c] = vload<vn>(v + s * vs + d + c * LN);
+      vn y[W];
+      for (int c = 0; c < W; ++c) y[c] = vload<vn>(v + s * vs + d + c * LN);
       for (int i = 0; i < RR; ++i) {
-        const float w = p[s * Rp + i];
-        for (int c = 0; c < DC; ++c) x[i][c] += y[c] * w;
+        const float w = p[s * ps + i * pi];
+        for (int c = 0; c < W; ++c) x[i][c] += y[c] * w;
       }
     }
     for (int i = 0; i < RR; ++i)
-      for (int c = 0; c < DC; ++c) vstore(acc + i * D + d + c * LN, x[i][c]);
+      for (int c = 0; c < W; ++c) vstore(acc + i * D + d + c * LN, x[i][c]);
   }
+}
+
+template <int RR>
+__attribute__((noinline)) void tile_values(float* acc, int64_t D, const float* p, int64_t ps, int64_t pi,
+                                           const float* alpha, const float* v, int64_t vs) {
+#if defined(__AVX512F__)
+  if (D % 32 == 0) return tile_values_by<RR, 2>(acc, D, p, ps, pi, alpha, v, vs);
+#endif
+  tile_values_by<RR>(acc, D, p, ps, pi, alpha, v, vs);
 }
 
 // the query rows of a row block: R = n * G, padded to Rp lanes
@@ -1520,15 +1532,17 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
                   Scratch& w, float* part) {
   const int64_t G = a.G, D = a.D, S = a.S, n = blk.n, R = n * G, Rp = padded_rows(R);
   float *qt = w.qt, *sc = w.sc, *m = w.m, *l = w.l, *alpha = w.alpha, *acc = w.acc;
-  const bool dots = 2 * R <= LN;  // few rows: dot products along D, else the rows in vector lanes
+  // few rows: dot products along D and the scores row-major (each row's 16 keys in lanes: one exp
+  // vector per row, not per key), else the rows in vector lanes
+  const bool dots = 2 * R <= LN;
   for (int64_t p = 0; p < n; ++p)
     for (int64_t h = 0; h < G; ++h) {
       const float* qr = a.q + b * a.q0 + (g * G + h) * a.q1 + (blk.t0 + p) * a.q2;
       const int64_t r = p * G + h;
       for (int64_t d = 0; d < D; ++d) (dots ? qt[r * D + d] : qt[d * Rp + r]) = qr[d] * a.scale;
     }
-  if (dots) std::fill(sc, sc + TILE * Rp, 0.0f);  // padding lanes
-  else for (int64_t d = 0; d < D; ++d) std::fill(qt + d * Rp + R, qt + (d + 1) * Rp, 0.0f);
+  if (!dots)
+    for (int64_t d = 0; d < D; ++d) std::fill(qt + d * Rp + R, qt + (d + 1) * Rp, 0.0f);
   std::fill(m, m + Rp, -INFINITY);
   std::fill(l, l + Rp, 0.0f);
   std::fill(acc, acc + R * D, 0.0f);
@@ -1561,23 +1575,38 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
     int64_t r = 0;
     if (dots) {
 #if defined(__AVX512F__)  // 16 accumulators: each key vector loaded serves 4 rows (32 registers)
-      for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, Rp, sc + r);
+      for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, sc + r * TILE);
+      if (R - r == 3) tile_scores_dot<3>(qt + r * D, D, kt, ks, sc + r * TILE), r += 3;
 #endif
-      for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, Rp, sc + r);
-      if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, Rp, sc + r);
+      for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, sc + r * TILE);
+      if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, sc + r * TILE);
     } else {
       for (; r + 3 * LN <= Rp; r += 3 * LN) tile_scores<3, 4>(qt + r, Rp, kt, ks, D, sc + r);
       if (r + 2 * LN <= Rp) tile_scores<2, 4>(qt + r, Rp, kt, ks, D, sc + r);
       else if (r < Rp) tile_scores<1, 8>(qt + r, Rp, kt, ks, D, sc + r);
     }
+    // the score of key s for row r: sc[r, s] (dots) or sc[s, r]
+    const int64_t key_stride = dots ? 1 : Rp, row_stride = dots ? TILE : 1;
     if (a.cap > 0.0f)
-      for (int64_t i = 0; i < TILE * Rp; i += LN) vstore(sc + i, vtanh(vload<vn>(sc + i) / a.cap) * a.cap);
+      for (int64_t i = 0; i < TILE * (dots ? R : Rp); i += LN) vstore(sc + i, vtanh(vload<vn>(sc + i) / a.cap) * a.cap);
     if (!(blk.tiles[c] & 1))  // some key of the tile excluded for some row: -inf, exactly excluded
       for (int64_t s = 0; s < TILE; ++s)
         for (int64_t p = 0; p < n; ++p)
           if (s0 + s >= S || (mrows && !mrows[p * S + s0 + s]))
-            for (int64_t h = 0; h < G; ++h) sc[s * Rp + p * G + h] = -INFINITY;
-    for (int64_t r = 0; r < Rp; r += LN) {  // online softmax, one lane per query row
+            for (int64_t h = 0; h < G; ++h) sc[s * key_stride + (p * G + h) * row_stride] = -INFINITY;
+    for (int64_t r = 0; dots && r < R; ++r) {  // online softmax, one row's 16 keys in lanes
+      vn x[DC], mx = vload<vn>(sc + r * TILE);
+      for (int c = 0; c < DC; ++c) mx = vmax(mx, x[c] = vload<vn>(sc + r * TILE + c * LN));
+      float top = mx[0];
+      for (int64_t j = 1; j < LN; ++j) top = std::max(top, mx[j]);
+      const float mn = std::max(m[r], top), base = mn == -INFINITY ? 0.0f : mn;  // nothing allowed yet: exp(-inf) = 0
+      for (int c = 0; c < DC; ++c) vstore(sc + r * TILE + c * LN, x[c] = vexp(x[c] - base));
+      const float al = vexp(vn{} + (m[r] - base))[0];
+      l[r] = l[r] * al + hsum(x);
+      m[r] = mn;
+      alpha[r] = al;
+    }
+    for (int64_t r = 0; !dots && r < Rp; r += LN) {  // online softmax, one lane per query row
       vn mx = vload<vn>(sc + r);
       for (int64_t s = 1; s < TILE; ++s) mx = vmax(mx, vload<vn>(sc + s * Rp + r));
       const vn mo = vload<vn>(m + r), mn = vmax(mo, mx);
@@ -1593,13 +1622,15 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
       vstore(m + r, mn);
       vstore(alpha + r, al);
     }
-    for (r = 0; r + 6 <= R; r += 6) tile_values<6>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs);
+    for (r = 0; r + 6 <= R; r += 6)
+      tile_values<6>(acc + r * D, D, sc + r * row_stride, key_stride, row_stride, alpha + r, vt, vs);
+    const float* pr = sc + r * row_stride;
     switch (R - r) {
-      case 1: tile_values<1>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
-      case 2: tile_values<2>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
-      case 3: tile_values<3>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
-      case 4: tile_values<4>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
-      case 5: tile_values<5>(acc + r * D, D, sc + r, Rp, alpha + r, vt, vs); break;
+      case 1: tile_values<1>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
+      case 2: tile_values<2>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
+      case 3: tile_values<3>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
+      case 4: tile_values<4>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
+      case 5: tile_values<5>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
       default: break;
     }
   }
