@@ -965,25 +965,25 @@ template <class F>
 void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   const uint8_t* run = blk + 64;
   const vf dd = f16_fields(blk), dmin = f16_fields(blk + 32);
-  vi sc[12];
-  for (int j = 0; j < 12; ++j) sc[j] = toi(load16(run + 16 * j));
-  __m512 d[8], m[8];  // as k_scales, 16 rows at a time (the min negated)
+  float d[8][16], m[8][16];  // as k_scales, 16 rows at a time (the min negated); in memory: 32 registers are few
   for (int j = 0; j < 4; ++j) {
-    d[j] = m512(dd * __builtin_convertvector(sc[j] & 0x3F, vf));
-    m[j] = m512(-(dmin * __builtin_convertvector(sc[j + 4] & 0x3F, vf)));
-    d[j + 4] = m512(dd * __builtin_convertvector((sc[j + 8] & 0x0F) | ((sc[j] >> 2) & 0x30), vf));
-    m[j + 4] = m512(-(dmin * __builtin_convertvector((sc[j + 8] >> 4) | ((sc[j + 4] >> 2) & 0x30), vf)));
+    const vi lo = toi(load16(run + 16 * j)), mid = toi(load16(run + 16 * (j + 4))), hi = toi(load16(run + 16 * (j + 8)));
+    const vf v[4] = {dd * __builtin_convertvector(lo & 0x3F, vf), -(dmin * __builtin_convertvector(mid & 0x3F, vf)),
+                     dd * __builtin_convertvector((hi & 0x0F) | ((lo >> 2) & 0x30), vf),
+                     -(dmin * __builtin_convertvector((hi >> 4) | ((mid >> 2) & 0x30), vf))};
+    std::memcpy(d[j], &v[0], 64);
+    std::memcpy(m[j], &v[1], 64);
+    std::memcpy(d[j + 4], &v[2], 64);
+    std::memcpy(m[j + 4], &v[3], 64);
   }
-  for (int c = 0; c < 4; ++c) {  // byte i of chunk c: value 64 c + i (low nibble), 64 c + 32 + i (high)
-    __m512i lo[8], hi[8];
+  for (int g = 0; g < 8; ++g) {  // byte i of chunk c = g / 2: value 64 c + i (low nibble), 64 c + 32 + i (high)
+    __m512i u[8];
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const __m512i v = by_row(run + 16 * (12 + 32 * c + 4 * j));
-      lo[j] = low4(v);
-      hi[j] = high4(v);
+      const __m512i v = by_row(run + 16 * (12 + 32 * (g / 2) + 4 * j));
+      u[j] = g % 2 ? high4(v) : low4(v);
     }
-    f(Vectors8{}, 64 * c, lo, d[2 * c], m[2 * c]);
-    f(Vectors8{}, 64 * c + 32, hi, d[2 * c + 1], m[2 * c + 1]);
+    f(Vectors8{}, 32 * g, u, _mm512_loadu_ps(d[g]), _mm512_loadu_ps(m[g]));
   }
 }
 
@@ -991,26 +991,30 @@ template <class F>
 void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
   const vf dd = f16_fields(&bits);
+  float d[16][16];  // each group's scale, 16 rows at a time
+  for (int g = 0; g < 16; ++g) {
+    const vf v = dd * tof((vsb)load16(blk + 16 * (192 + g)));
+    std::memcpy(d[g], &v, 64);
+  }
   const __m512i n15 = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3), top = _mm512_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + 16 k + l for l in 0..15: group 8 h + 2 s + k
-      __m512i u[4][4];
+    for (int s = 0; s < 4; ++s)  // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: 128 + 32 h + l
+      for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + 16 k + l for l in 0..15: group 8 h + 2 s + k
+        __m512i u[4];
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const int l = 16 * k + 4 * j;
-        const __m512i a = by_row(blk + 16 * (64 * h + l)), b = by_row(blk + 16 * (64 * h + 32 + l));
-        const __m512i hb = by_row(blk + 16 * (128 + 32 * h + l));
-        u[0][j] = _mm512_or_si512(_mm512_and_si512(a, n15), _mm512_slli_epi16(_mm512_and_si512(hb, two), 4));
-        u[1][j] = _mm512_or_si512(_mm512_and_si512(b, n15), _mm512_and_si512(_mm512_slli_epi16(hb, 2), top));
-        u[2][j] = _mm512_or_si512(high4(a), _mm512_and_si512(hb, top));
-        u[3][j] = _mm512_or_si512(high4(b), _mm512_and_si512(_mm512_srli_epi16(hb, 2), top));
+        for (int j = 0; j < 4; ++j) {
+          const int l = 16 * k + 4 * j;
+          const __m512i q = by_row(blk + 16 * (64 * h + 32 * (s % 2) + l)), hb = by_row(blk + 16 * (128 + 32 * h + l));
+          const __m512i low = s < 2 ? _mm512_and_si512(q, n15) : high4(q);
+          const __m512i high = s == 0 ? _mm512_slli_epi16(_mm512_and_si512(hb, two), 4)
+                               : s == 1 ? _mm512_and_si512(_mm512_slli_epi16(hb, 2), top)
+                               : s == 2 ? _mm512_and_si512(hb, top)
+                                        : _mm512_and_si512(_mm512_srli_epi16(hb, 2), top);
+          u[j] = _mm512_or_si512(low, high);
+        }
+        const __m512 dg = _mm512_loadu_ps(d[8 * h + 2 * s + k]);
+        f(Vectors4{}, 128 * h + 32 * s + 16 * k, u, dg, _mm512_mul_ps(dg, _mm512_set1_ps(-32.0f)));
       }
-      for (int s = 0; s < 4; ++s) {
-        const int g = 8 * h + 2 * s + k;
-        const __m512 d = m512(dd * tof((vsb)load16(blk + 16 * (192 + g))));
-        f(Vectors4{}, 128 * h + 32 * s + 16 * k, u[s], d, _mm512_mul_ps(d, _mm512_set1_ps(-32.0f)));
-      }
-    }
 }
 
 template <class T>
@@ -1072,20 +1076,22 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
   const int64_t xld = group_sums_ld<T>(K);
 #if defined(KVGEN_DOT8)
   if constexpr (has_dot<T>()) {  // the tiles whose first row lies in n0..n1, 8 rows of x at a time
-    const int64_t t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16;
-    for (int64_t r = 0; r < R; r += 8) {
-      float* yr = y + r * ldy;
-      switch (std::min<int64_t>(8, R - r)) {
-        case 1: matmul_tiles_dot<T, 1>(rx, r, w, t0, t1, yr, ldy); break;
-        case 2: matmul_tiles_dot<T, 2>(rx, r, w, t0, t1, yr, ldy); break;
-        case 3: matmul_tiles_dot<T, 3>(rx, r, w, t0, t1, yr, ldy); break;
-        case 4: matmul_tiles_dot<T, 4>(rx, r, w, t0, t1, yr, ldy); break;
-        case 5: matmul_tiles_dot<T, 5>(rx, r, w, t0, t1, yr, ldy); break;
-        case 6: matmul_tiles_dot<T, 6>(rx, r, w, t0, t1, yr, ldy); break;
-        case 7: matmul_tiles_dot<T, 7>(rx, r, w, t0, t1, yr, ldy); break;
-        default: matmul_tiles_dot<T, 8>(rx, r, w, t0, t1, yr, ldy); break;
+    // over runs of tiles of ~256 kB, so that many rows (a prefill) read each run from L2, not memory
+    const int64_t run = std::max<int64_t>(1, (256 << 10) / (K / T::Gguf::QK * 16 * T::Gguf::BYTES));
+    for (int64_t t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16; t0 < t1; t0 += run)
+      for (int64_t r = 0, t = std::min(t0 + run, t1); r < R; r += 8) {
+        float* yr = y + r * ldy;
+        switch (std::min<int64_t>(8, R - r)) {
+          case 1: matmul_tiles_dot<T, 1>(rx, r, w, t0, t, yr, ldy); break;
+          case 2: matmul_tiles_dot<T, 2>(rx, r, w, t0, t, yr, ldy); break;
+          case 3: matmul_tiles_dot<T, 3>(rx, r, w, t0, t, yr, ldy); break;
+          case 4: matmul_tiles_dot<T, 4>(rx, r, w, t0, t, yr, ldy); break;
+          case 5: matmul_tiles_dot<T, 5>(rx, r, w, t0, t, yr, ldy); break;
+          case 6: matmul_tiles_dot<T, 6>(rx, r, w, t0, t, yr, ldy); break;
+          case 7: matmul_tiles_dot<T, 7>(rx, r, w, t0, t, yr, ldy); break;
+          default: matmul_tiles_dot<T, 8>(rx, r, w, t0, t, yr, ldy); break;
+        }
       }
-    }
     return;
   }
 #endif
@@ -1922,7 +1928,17 @@ at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorLi
   return out.view(x.sizes());
 }
 
+// the formats whose products take integer dot products on this CPU (AVX-512 VNNI), else none
+std::vector<int64_t> integer_dot_formats() {
+#if defined(KVGEN_DOT8)
+  return {2002, 2003, 2006, 2012, 2014};
+#else
+  return {};
+#endif
+}
+
 TORCH_LIBRARY(kvgen, m) {
+  m.def("integer_dot_formats() -> int[]", integer_dot_formats);
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
