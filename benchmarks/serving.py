@@ -10,6 +10,9 @@ Each part runs in a fresh process (its peak RSS is its own):
   the last one finished), then Poisson arrivals at 3 rates (25/50/90% of the rate measured at
   concurrency 16). Output tok/s, requests/s, time to first token and inter-token latency
   (p50/p99, seen by a streaming client), peak RSS, prefix-cache hit rate.
+* ``latency``: one client, then 16 clients (closed loop) with ``max_batch_tokens`` 64, 48 and 32:
+  p99 inter-token latency against a single request's decode step, and what each budget costs in
+  output tokens/s.
 * ``offline``: the same 16 requests, 128 new tokens each: kvgen ``generate_batch``,
   kvgen ``generate()`` one request at a time, transformers ``generate_batch``.
 * ``prefix``: a 2,000-token shared system prompt: time to first token of the first request
@@ -53,7 +56,8 @@ from vs_llamacpp import _cpu as cpu  # noqa: E402
 from vs_llamacpp import llama_cpp_tool  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("offline", "sweep", "prefix", "exactness", "http")
+PARTS = ("offline", "sweep", "latency", "prefix", "exactness", "http")
+LATENCY_BUDGETS = (64, 48, 32)  # max_batch_tokens tried by the latency part
 HTTP_SYSTEMS = ("kvgen", "transformers", "kvgen-gguf", "llama.cpp")
 
 
@@ -194,6 +198,29 @@ def worker_offline(args, model, tokenizer, system: str) -> dict:
     elapsed = time.perf_counter() - start
     return {"requests": 16, "new_tokens_each": args.offline_new, "seconds": round(elapsed, 2),
             "output_tok_per_s": round(total / elapsed, 2), "peak_rss_mb": round(peak_rss_mb())}
+
+
+def worker_latency(args, model, tokenizer) -> dict:
+    """Inter-token latency at 16 clients against the token budget of a step: a step that carries prompt
+    chunks besides the running decodes costs about one float32 row's arithmetic per token (~1.3 ms on 2
+    Zen 4 cores), so ``max_batch_tokens`` bounds the slowest steps. First one client (its inter-token
+    latency is a single request's decode step), then the 16-client closed loop of ``sweep`` at each budget."""
+    from kvgen.serving import ContinuousBatchingConfig
+
+    text = kjv_ids(tokenizer, 60000).tolist()
+    out = {"budgets": {}}
+    for budget in LATENCY_BUDGETS:
+        config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=budget, max_num_seqs=64)
+        with model.init_continuous_batching(continuous_batching_config=config) as manager:
+            run_load(manager, workload(text, 2, args.prompt, (8, 8), seed=99), concurrency=2)  # warm-up
+            if "one_client" not in out:
+                out["one_client"] = run_load(manager, workload(text, 4, args.prompt, args.new, seed=1), concurrency=1)
+            run = run_load(manager, workload(text, max(args.min_requests, 16), args.prompt, args.new, seed=16),
+                           concurrency=16)
+        run["p99_itl_over_one_client_step"] = round(run["itl_ms_p99"] / out["one_client"]["itl_ms_p50"], 2)
+        out["budgets"][str(budget)] = run
+        print(f"max_batch_tokens {budget}: {run}", flush=True)
+    return out
 
 
 def worker_prefix(args, model, tokenizer) -> dict:
