@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
 import kvgen
-from kvgen.kernels import kernels_available, unavailable_reason
+from kvgen.kernels import integer_dot_formats, kernels_available, unavailable_reason
 from kvgen.models.packed import PackedWeight, dequantize_on_device, tile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from kvgen.quantization import TorchAoConfig, quantize_int4, quantize_int8
@@ -51,13 +51,14 @@ def check_against_gguf(raw: np.ndarray, qtype, cols: int) -> None:
     weight = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)))], cols)
     tiled = tile_rows(weight)
     is_tiled = tiled.segments[0][0] != int(qtype)
-    assert is_tiled == (qtype in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K) and raw.shape[0] % 16 == 0)
+    tiles = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K} | ({Q.Q8_0} if 2008 in integer_dot_formats() else set())
+    assert is_tiled == (qtype in tiles and raw.shape[0] % 16 == 0)
     for w in (weight, tiled) if is_tiled else (weight,):
         ((format, data),) = w.segments
         assert torch.equal(w.dequantize(), expected)
         ids = torch.tensor([[0, raw.shape[0] - 1, 5], [17 % raw.shape[0], 5, 2]])
         assert torch.equal(QuantizedEmbedding(w)(ids), expected[ids])
-        for rows in (1, 3, 8, 11):
+        for rows in (1, 3, 8, 11, 70):
             x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
             got = torch.ops.kvgen.qmatmul(x, [data], [format])
             reference = x.double() @ expected.double().T
@@ -193,7 +194,8 @@ def test_gguf_loads_in_its_stored_types_by_default(smollm_pair):
     assert quantized.weight_format == "Q8_0+Q4_1" and reference.weight_format == "float32"
     layer = quantized.model.layers[0]
     assert layer.mlp.down_proj.formats == [2003] and layer.self_attn.qkv_proj.formats == [2003] * 3  # in tiles
-    assert quantized.model.embed_tokens.formats == [8]  # Q8_0 stays in rows
+    # Q8_0 in tiles where they take integer dot products (AVX-512 VNNI), else in rows
+    assert quantized.model.embed_tokens.formats == [2008 if 2008 in integer_dot_formats() else 8]
     with pytest.raises(ValueError, match="tiles"):
         layer.mlp.down_proj.weight.permute_rows(torch.arange(576))
     assert isinstance(quantized.model.embed_tokens, QuantizedEmbedding)

@@ -93,3 +93,9 @@ def kernels_available() -> bool:
 def unavailable_reason() -> str | None:
     """Why the kernels are unavailable, or None when they are."""
     return _load()
+
+
+@functools.cache
+def integer_dot_formats() -> frozenset[int]:
+    """Weight formats whose products take integer dot products on this CPU (AVX-512 VNNI); empty elsewhere."""
+    return frozenset(torch.ops.kvgen.integer_dot_formats()) if kernels_available() else frozenset()

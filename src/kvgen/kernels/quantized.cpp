@@ -370,6 +370,16 @@ struct Q5_0x16 : Tiled<Q5_0, 6> {  // head: d, then the 32-bit mask of 5th bits 
   template <class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 
+// Q8_0: run j holds value j of the 16 rows (signed bytes); only where the integer dot products run
+// (the float32 one-row product streams Q8_0 rows at the memory's speed, 2 threads: tiles did not help)
+struct Q8_0x16 : Tiled<Q8_0, 2> {
+  template <class E> static void columns(None, const uint8_t* run, int j, E&& emit);
+  template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
+  static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  static constexpr int BIAS = 128;  // dot_groups gives value + 128 (unsigned)
+  template <class F> static void dot_groups(const uint8_t* blk, F&& f);
+};
+
 // head: d and dmin; runs 0-11: the 6-bit scales and mins (k_scales' bytes), runs 12-139: the nibbles
 struct Q4_Kx16 : Tiled<Q4_K, 4> {
   template <int CH> static constexpr int SLOTS = 2 * std::max(1, CH / 2);  // two groups open at a time
@@ -724,6 +734,18 @@ void Q5_0x16::block(const uint8_t* blk, E&& emit, C&& close) {
   block32<Q5_0x16, CH>(blk, emit, close);
 }
 
+template <class E>
+void Q8_0x16::columns(None, const uint8_t* run, int j, E&& emit) {
+  vn v[DC];
+  to_lanes(tof((vsb)load16(run)), v);
+  emit(j, v);
+}
+
+template <int CH, class E, class C>
+void Q8_0x16::block(const uint8_t* blk, E&& emit, C&& close) {
+  block32<Q8_0x16, CH>(blk, emit, close);
+}
+
 template <int CH, class E, class C>
 void Q4_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
   constexpr int S = SLOTS<CH> / 2;
@@ -856,15 +878,18 @@ __attribute__((noinline)) void matmul_tiles(const float* x, int64_t ldx, const f
 // max|x| / 2^22 per block (float32 itself rounds at 2^-24 of each value).
 constexpr float XQ_MAX = 127.0f * 16384.0f;
 
-// the input rows, rounded: levels (R, 3, K) int8, scales (R, K / 32), sums of x~ per 16 values (R, K / 16)
+// the input rows, rounded: levels (R, 3, K) int8, scales (R, K / 32), sums of x~ per 16 values (R, K / 16),
+// sums of each level per 32 values (R, 3, K / 32)
 struct RoundedX {
   int64_t K;
   std::vector<int8_t> levels;
   std::vector<float> scales, sums;
+  std::vector<int32_t> level_sums;
 };
 
 RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K) {
-  RoundedX out{K, std::vector<int8_t>(R * 3 * K), std::vector<float>(R * (K / 32)), std::vector<float>(R * (K / 16))};
+  RoundedX out{K, std::vector<int8_t>(R * 3 * K), std::vector<float>(R * (K / 32)), std::vector<float>(R * (K / 16)),
+               std::vector<int32_t>(R * 3 * (K / 32))};
   const __m512i c64 = _mm512_set1_epi32(64), c127 = _mm512_set1_epi32(127);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -873,6 +898,7 @@ RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K) {
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
       const float s = amax / XQ_MAX, inv = amax > 0.0f ? XQ_MAX / amax : 0.0f;
       out.scales[r * (K / 32) + b] = s;
+      int32_t* level_sums = out.level_sums.data() + r * 3 * (K / 32) + b;
       for (int h = 0; h < 2; ++h) {
         const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));  // |X| <= XQ_MAX
         const __m512i x3 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, c64), c127), c64);  // -64..63
@@ -885,6 +911,8 @@ RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + K), _mm512_cvtepi32_epi8(x2));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 2 * K), _mm512_cvtepi32_epi8(x3));
         out.sums[r * (K / 16) + k / 16] = s * (float)_mm512_reduce_add_epi32(X);
+        const __m512i x[3] = {x1, x2, x3};
+        for (int l = 0; l < 3; ++l) level_sums[l * (K / 32)] += _mm512_reduce_add_epi32(x[l]);
       }
     }
   return out;
@@ -1017,8 +1045,23 @@ void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
       }
 }
 
+template <class F>
+void Q8_0x16::dot_groups(const uint8_t* blk, F&& f) {
+  __m512i u[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(by_row(blk + 32 + 64 * j), _mm512_set1_epi8((char)0x80));
+  f(Vectors8{}, 0, u, m512(f16_fields(blk)), _mm512_setzero_ps());
+}
+
 template <class T>
 constexpr bool has_dot() { return requires { T::DOT; }; }
+
+// what dot_groups adds to the stored values to make them unsigned (subtracted again: BIAS * sum(X))
+template <class T>
+constexpr int dot_bias() {
+  if constexpr (requires { T::BIAS; }) return T::BIAS;
+  return 0;
+}
 
 // y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input (R <= 8)
 template <class T, int R>
@@ -1029,6 +1072,7 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
   const int64_t K = x.K, nb = K / QK;
   const int8_t* levels = x.levels.data() + r0 * 3 * K;
   const float *scales = x.scales.data() + r0 * (K / 32), *sums = x.sums.data() + r0 * (K / 16);
+  const int32_t* level_sums = x.level_sums.data() + r0 * 3 * (K / 32);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * nb * TB;
     __m512 acc[R];
@@ -1046,6 +1090,10 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
           for (int j = 0; j < N; ++j)
 #pragma GCC unroll 3
             for (int l = 0; l < 3; ++l) dpbusd_broadcast(dot[l][j % 2], u[j], q + l * K + 4 * j);
+          if constexpr (dot_bias<T>() != 0)
+            for (int l = 0; l < 3; ++l)
+              dot[l][1] = _mm512_sub_epi32(
+                  dot[l][1], _mm512_set1_epi32(dot_bias<T>() * level_sums[(r * 3 + l) * (K / 32) + k / 32]));
           __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[2][0], dot[2][1]));
           sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[1][0], dot[1][1])), _mm512_set1_ps(128.0f), sum);
           sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[0][0], dot[0][1])), _mm512_set1_ps(16384.0f), sum);
@@ -1169,6 +1217,7 @@ void dispatch(int64_t format, F&& f) {
     case 2002: f(Q4_0x16{}); break;
     case 2003: f(Q4_1x16{}); break;
     case 2006: f(Q5_0x16{}); break;
+    case 2008: f(Q8_0x16{}); break;
     case 2012: f(Q4_Kx16{}); break;
     case 2014: f(Q6_Kx16{}); break;
     case 1008: f(I8{}); break;
@@ -1931,7 +1980,7 @@ at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorLi
 // the formats whose products take integer dot products on this CPU (AVX-512 VNNI), else none
 std::vector<int64_t> integer_dot_formats() {
 #if defined(KVGEN_DOT8)
-  return {2002, 2003, 2006, 2012, 2014};
+  return {2002, 2003, 2006, 2008, 2012, 2014};
 #else
   return {};
 #endif

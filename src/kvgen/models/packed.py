@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from kvgen.kernels import integer_dot_formats
+
 #: format id -> (name, values per block, bytes per block, extra bytes per row). GGML type ids, and
 #: kvgen's own above 1000 (int8: a float32 scale after each row; int4: float32 scale and min per group)
 FORMATS: dict[int, tuple[str, int, int, int]] = {
@@ -39,13 +41,14 @@ FORMATS: dict[int, tuple[str, int, int, int]] = {
     2002: ("Q4_0", 32, 18, 0),
     2003: ("Q4_1", 32, 20, 0),
     2006: ("Q5_0", 32, 22, 0),
+    2008: ("Q8_0", 32, 34, 0),
     2012: ("Q4_K", 256, 144, 0),
     2014: ("Q6_K", 256, 210, 0),
 }
 
 #: GGML type -> bytes of its block head (float16 d, then m, Q5_0's 32-bit mask or Q4_K's dmin) for
-#: the types :func:`tile_rows` tiles (Q6_K: none, its d comes last)
-TILED_HEADS: dict[int, int] = {2: 2, 3: 4, 6: 6, 12: 4, 14: 0}
+#: the types :func:`tile_rows` tiles (Q6_K: none, its d comes last; Q8_0 only where integer dot products run)
+TILED_HEADS: dict[int, int] = {2: 2, 3: 4, 6: 6, 8: 2, 12: 4, 14: 0}
 #: tiled formats: format -> rows per tile
 TILED: dict[int, int] = {2000 + t: 16 for t in TILED_HEADS}
 
@@ -156,7 +159,8 @@ def dequantize_on_device(format: int, data: torch.Tensor, in_features: int) -> t
 
 def tile_rows(weight: PackedWeight) -> PackedWeight:
     """``weight`` with its Q4_0, Q4_1, Q5_0, Q4_K and Q6_K segments (of a multiple of 16 rows) in tiles
-    of 16 rows (format 2000 + the GGML type).
+    of 16 rows (format 2000 + the GGML type); Q8_0 too where its tiles take integer dot products
+    (:func:`~kvgen.kernels.integer_dot_formats`: 16 rows a lane each, as the 4-6-bit tiles).
 
     Per GGUF block of columns a tile holds the 16 rows' head fields (float16 d, then Q4_1's float16 m,
     Q5_0's 32-bit mask of 5th bits as two 2-byte fields or Q4_K's dmin; Q6_K has none), then
@@ -174,7 +178,7 @@ def tile_rows(weight: PackedWeight) -> PackedWeight:
     """
     segments, copied = [], []
     for format, data in weight.segments:
-        if format in TILED_HEADS and data.shape[0] % 16 == 0:
+        if format in TILED_HEADS and data.shape[0] % 16 == 0 and (format != 8 or 2008 in integer_dot_formats()):
             head, size = TILED_HEADS[format], FORMATS[format][2]
             tiles, blocks = data.shape[0] // 16, data.shape[1] // size
             source, out = data.reshape(tiles, 16, blocks, size), torch.empty_like(data)

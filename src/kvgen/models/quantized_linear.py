@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvgen.kernels import kernels_available
+from kvgen.kernels import integer_dot_formats
 from kvgen.models.linear import matmul
 from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device
 
@@ -37,7 +37,7 @@ def any_rows_formats() -> frozenset[int]:
     """Formats whose one-pass product beats dequantize + float32 matmul at any number of rows: the integer
     dot products of AVX-512 VNNI (Zen 4, 2 threads, Gemma 3's and SmolLM2's layers at 512 rows: 200-240
     GFLOP/s against 185-198 for dequantize + oneDNN), except Q6_K's (groups of 16 values: 145)."""
-    return frozenset(torch.ops.kvgen.integer_dot_formats()) - {2014} if kernels_available() else frozenset()
+    return integer_dot_formats() - {2014}
 
 
 _scratch = torch.empty(0)  # float32 scratch for prefill: the largest dequantized weight so far
