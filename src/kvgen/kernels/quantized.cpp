@@ -9,11 +9,11 @@
 // bit for bit. qmatmul decodes each block once and, for up to 8 input rows, accumulates
 // d * sum(q * x) + m * sum(x) per group in 16-lane float32 accumulators (fused multiply-adds):
 // one pass over the stored bytes, fewer operations per weight than dequantizing first, and
-// the float32 dot product up to rounding order. Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights in tiles of
-// 16 rows (formats 2000 + type) put 16 rows' values in the lanes instead (matmul_tiles); with
-// AVX-512 VNNI they take integer dot products of their stored values with x rounded to 21 bits per
-// block of 32 (matmul_tiles_dot). The decoder ops at the end run a decode step's layer around these
-// products.
+// the float32 dot product up to rounding order. Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights (and Q8_0
+// where integer dot products run) in tiles of 16 rows (formats 2000 + type) put 16 rows' values in
+// the lanes instead (matmul_tiles); with AVX-512 VNNI they take integer dot products of their stored
+// values with x rounded to 21 bits per block of 32 (matmul_tiles_dot). The decoder ops at the end
+// run a decode step's layer around these products.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -867,7 +867,8 @@ __attribute__((noinline)) void matmul_tiles(const float* x, int64_t ldx, const f
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
 #define KVGEN_DOT8 1
-// ---- Integer dot products (AVX-512 VNNI) for the tiled 4-6-bit formats. The float32 path above
+// ---- Integer dot products (AVX-512 VNNI) for the tiled formats (4-6 bits; Q8_0's values + 128 as
+// unsigned bytes, 128 * sum(X) subtracted again in int32). The float32 path above
 // needs one multiply-add per weight and input row after widening each value to float32: one
 // thread ran compute-bound at 10-14 GB/s of stored bytes (Zen 4). Here the input rows are
 // rounded to 21 bits and a sign per block of 32 values, x~ = X * s with s = max|x| / (127 * 2^14)
@@ -940,7 +941,9 @@ inline __m512i high4(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4
 // acc += the products of u's bytes with the 4 bytes at p in every lane (the broadcast inside the
 // instruction: written separately, GCC loaded each broadcast into a register first)
 inline void dpbusd_broadcast(__m512i& acc, const __m512i& u, const int8_t* p) {
-  asm("vpdpbusd %[p]%{1to16%}, %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [p] "m"(*reinterpret_cast<const int32_t*>(p)));
+  asm("vpdpbusd %[p]%{1to16%}, %[u], %[acc]"
+      : [acc] "+v"(acc)
+      : [u] "v"(u), [p] "m"(*reinterpret_cast<const int32_t*>(p)));
 }
 
 using Vectors8 = std::integral_constant<int, 8>;
@@ -995,7 +998,8 @@ void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   const vf dd = f16_fields(blk), dmin = f16_fields(blk + 32);
   float d[8][16], m[8][16];  // as k_scales, 16 rows at a time (the min negated); in memory: 32 registers are few
   for (int j = 0; j < 4; ++j) {
-    const vi lo = toi(load16(run + 16 * j)), mid = toi(load16(run + 16 * (j + 4))), hi = toi(load16(run + 16 * (j + 8)));
+    const vi lo = toi(load16(run + 16 * j)), mid = toi(load16(run + 16 * (j + 4)));
+    const vi hi = toi(load16(run + 16 * (j + 8)));
     const vf v[4] = {dd * __builtin_convertvector(lo & 0x3F, vf), -(dmin * __builtin_convertvector(mid & 0x3F, vf)),
                      dd * __builtin_convertvector((hi & 0x0F) | ((lo >> 2) & 0x30), vf),
                      -(dmin * __builtin_convertvector((hi >> 4) | ((mid >> 2) & 0x30), vf))};
@@ -1026,7 +1030,8 @@ void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   }
   const __m512i n15 = _mm512_set1_epi8(15), two = _mm512_set1_epi8(3), top = _mm512_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h)
-    for (int s = 0; s < 4; ++s)  // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: 128 + 32 h + l
+    // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: runs 128 + 32 h + l
+    for (int s = 0; s < 4; ++s)
       for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + 16 k + l for l in 0..15: group 8 h + 2 s + k
         __m512i u[4];
 #pragma GCC unroll 4
@@ -1094,9 +1099,10 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
             for (int l = 0; l < 3; ++l)
               dot[l][1] = _mm512_sub_epi32(
                   dot[l][1], _mm512_set1_epi32(dot_bias<T>() * level_sums[(r * 3 + l) * (K / 32) + k / 32]));
-          __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[2][0], dot[2][1]));
-          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[1][0], dot[1][1])), _mm512_set1_ps(128.0f), sum);
-          sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(dot[0][0], dot[0][1])), _mm512_set1_ps(16384.0f), sum);
+          const auto level = [&](int l) { return _mm512_cvtepi32_ps(_mm512_add_epi32(dot[l][0], dot[l][1])); };
+          __m512 sum = level(2);
+          sum = _mm512_fmadd_ps(level(1), _mm512_set1_ps(128.0f), sum);
+          sum = _mm512_fmadd_ps(level(0), _mm512_set1_ps(16384.0f), sum);
           float xs = sums[r * (K / 16) + k / 16];
           if constexpr (N == 8) xs += sums[r * (K / 16) + k / 16 + 1];
           acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scales[r * (K / 32) + k / 32])), sum, acc[r]);
