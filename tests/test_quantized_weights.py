@@ -92,6 +92,30 @@ def test_kernels_match_gguf_on_the_packaged_files(gemma3_gguf):
     assert seen == {Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q4_K, Q.Q6_K}
 
 
+def test_fingerprint_does_not_depend_on_the_tile_layout():
+    """Q8_0 is kept in tiles only where integer dot products run, so a model's fingerprint (cache files, the
+    shared prefix store's keys) samples packed weights in GGUF row order whatever their layout."""
+    from types import SimpleNamespace
+
+    from kvgen.cache.fingerprint import model_fingerprint
+    from kvgen.models.packed import stored_positions
+
+    def model(weight):
+        m = torch.nn.Module()
+        m.proj, m.config = QuantizedLinear(weight), SimpleNamespace(hidden_size=512)
+        return m
+
+    for qtype in (Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K):
+        raw = torch.from_numpy(random_raw(qtype, 48, 512))
+        weight = PackedWeight([(int(qtype), raw)], 512)
+        ((format, data),) = tile_rows(weight).segments
+        every = torch.arange(raw.numel())
+        assert torch.equal(data.reshape(-1)[stored_positions(format, data, every)], raw.reshape(-1))
+        assert model_fingerprint(model(weight)) == model_fingerprint(model(tile_rows(weight)))
+        other = PackedWeight([(int(qtype), torch.from_numpy(random_raw(qtype, 48, 512, seed=1)))], 512)
+        assert model_fingerprint(model(other))["weights"] != model_fingerprint(model(weight))["weights"]
+
+
 def test_int8_and_int4_rows_dequantize_to_their_definition():
     w = torch.randn(40, 256, generator=torch.Generator().manual_seed(0))
     packed = quantize_int8(w)

@@ -48,10 +48,10 @@ def model_fingerprint(model) -> dict[str, str]:
     key = tuple((name, t.data_ptr(), _version(t), t.dtype, tuple(t.shape), t.device) for name, t in tensors)
     memo = model.__dict__.get("_kvgen_weights_fingerprint")
     if memo is None or memo[0] != key:
-        h = hashlib.sha256()
+        h, formats = hashlib.sha256(), _packed_formats(model)
         for name, t in tensors:
             h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
-            h.update(_sample(t).view(torch.uint8).numpy())
+            h.update(_sample(t, formats.get(id(t))).view(torch.uint8).numpy())
         memo = (key, h.hexdigest())
         model.__dict__["_kvgen_weights_fingerprint"] = memo
     return {"config": _config_digest(model.config), "weights": memo[1]}
@@ -145,10 +145,29 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def _sample(t: torch.Tensor) -> torch.Tensor:
-    """``_SAMPLE`` evenly spaced elements of ``t`` (all of a small one), on the CPU: the same from every device."""
+def _packed_formats(model) -> dict[int, int]:
+    """The format of each stored-precision weight segment (:class:`~kvgen.models.packed.PackedWeight`), by tensor id."""
+    from kvgen.models.packed import PackedWeight  # kvgen.models imports this module
+
+    out = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, PackedWeight):
+            out.update((id(data), format) for format, data in weight.segments)
+    return out
+
+
+def _sample(t: torch.Tensor, format: int | None = None) -> torch.Tensor:
+    """``_SAMPLE`` evenly spaced elements of ``t`` (all of a small one), on the CPU: the same from every device.
+    A packed weight segment (``format``) is sampled in GGUF row order, whichever layout this machine keeps it in
+    (Q8_0 is in tiles of 16 rows only where integer dot products run)."""
     flat = t.detach().reshape(-1)
     n = flat.numel()
+    positions = torch.arange(min(n, _SAMPLE), device=flat.device)
     if n > _SAMPLE:
-        flat = flat[torch.arange(_SAMPLE, device=flat.device) * (n - 1) // (_SAMPLE - 1)]
-    return flat.cpu().contiguous()
+        positions = positions * (n - 1) // (_SAMPLE - 1)
+    if format is not None:
+        from kvgen.models.packed import stored_positions
+
+        positions = stored_positions(format, t, positions)
+    return flat[positions].cpu().contiguous()

@@ -195,6 +195,22 @@ def tile_rows(weight: PackedWeight) -> PackedWeight:
     return PackedWeight(segments, weight.in_features)
 
 
+def stored_positions(format: int, data: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Where byte ``positions`` of a segment in rows (GGUF order, flattened) lie in ``data`` as stored:
+    the same positions, except in tiles of 16 rows (:func:`tile_rows`). So that a fingerprint of the
+    weight samples the same bytes whichever layout this machine chose."""
+    if format not in TILED:
+        return positions
+    head, size = TILED_HEADS[format - 2000], FORMATS[format][2]
+    row, column = positions // data.shape[1], positions % data.shape[1]
+    block, field = column // size, column % size
+    tile_block = (row // 16 * (data.shape[1] // size) + block) * 16 * size  # (tile, block)'s first byte
+    lane = row % 16
+    in_head = 32 * (field // 2) + 2 * lane + field % 2  # the 16 rows' 2-byte head fields, one after the other
+    in_values = 16 * head + 16 * (field - head) + lane  # byte j of the 16 rows' other bytes
+    return tile_block + torch.where(field < head, in_head, in_values)
+
+
 def cat_rows(parts: list) -> torch.Tensor | PackedWeight:
     """Stack the rows of tensors (``torch.cat``) or of packed weights (their segments, not copied)."""
     if not any(isinstance(p, PackedWeight) for p in parts):
