@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from kvgen.generation.streamers import TokenTimer
+
 BUSY_WARNING = 0.15  # cores' worth of other processes' CPU use that makes timings unreliable
 
 
@@ -107,18 +109,6 @@ def cache_bytes(cache) -> int | None:
 
 # -- the worker (one configuration, one process) ------------------------------------------------------
 
-class _Clock:
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.stamps: list[float] = []
-
-    def put(self, value):
-        self.stamps.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def _weight_bytes(model) -> int:
     """Bytes of a model's distinct parameters (tied ones once)."""
     return sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in model.parameters()}.values())
@@ -151,7 +141,7 @@ def _speech_worker(spec: dict) -> dict:
     load_s = time.perf_counter() - start
 
     def run(n):
-        clock = _Clock()
+        clock = TokenTimer()
         kwargs = {} if cache_name == "dynamic" else {"cache_implementation": cache_name}
         with torch.no_grad():
             out = model.generate(features, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=clock,
@@ -206,7 +196,7 @@ def _worker(spec: dict) -> dict:
                 extra["cache_config"] = spec["hf_cache_config"]
 
     def run(p, n):
-        clock = _Clock()
+        clock = TokenTimer()
         kwargs = dict(extra)
         if make_cache is not None:
             kwargs["past_key_values"] = make_cache(prompt + new)

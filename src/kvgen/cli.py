@@ -15,8 +15,9 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
+
+from kvgen.generation.streamers import TextStreamer, TokenTimer
 
 DEFAULT_PROMPT = "Once upon a time, there was a little"
 
@@ -41,36 +42,7 @@ def load(model: str | None, dtype: str | None, quantize: str | None = None, grou
             AutoTokenizer.from_pretrained(model))
 
 
-class _Clock:
-    """A streamer that timestamps tokens (and prints them when ``echo`` is set)."""
-
-    def __init__(self, tokenizer=None):
-        self.text = None if tokenizer is None else _text_streamer(tokenizer)
-        self.start = time.perf_counter()
-        self.stamps: list[float] = []
-        self.counts: list[int] = []  # tokens per put (speculative decoding puts several at once)
-
-    def put(self, value):
-        if self.text is not None:
-            self.text.put(value)
-        self.stamps.append(time.perf_counter())
-        self.counts.append(value.numel())
-
-    def end(self):
-        if self.text is not None:
-            self.text.end()
-
-    def prefill_seconds(self) -> float:
-        return self.stamps[1] - self.start if len(self.stamps) > 1 else float("nan")
-
-    def decode_tokens_per_second(self) -> float:
-        # the first put is the prompt, the second the first new token (its time is the prefill's)
-        return sum(self.counts[2:]) / (self.stamps[-1] - self.stamps[1]) if len(self.stamps) > 2 else float("nan")
-
-
 def _text_streamer(tokenizer):
-    from kvgen.generation.streamers import TextStreamer
-
     return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
@@ -101,7 +73,7 @@ def _make_cache(model, name: str, cache_config, max_cache_len: int):
                         dtype=model.dtype, cache_config=cache_config)
 
 
-def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: _Clock, speculation=None) -> str:
+def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: TokenTimer, speculation=None) -> str:
     from kvgen.bench import peak_rss_mb
 
     prefill = clock.prefill_seconds()
@@ -130,7 +102,7 @@ def cmd_generate(args) -> int:
     if args.early_exit:
         drafting["assistant_early_exit"] = args.early_exit
     print(prompt, end="", flush=True)  # then the continuation, token by token
-    clock = _Clock(tokenizer)  # (time to first token includes loading a prompt cache)
+    clock = TokenTimer(_text_streamer(tokenizer))  # (time to first token includes loading a prompt cache)
     prompt_cache = Path(args.prompt_cache) if args.prompt_cache else None
     reused = 0
     if prompt_cache is not None and prompt_cache.exists():
@@ -206,7 +178,7 @@ def cmd_chat(args) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        clock = _Clock(tokenizer)
+        clock = TokenTimer(_text_streamer(tokenizer))
         reply = chat_turn(model, tokenizer, cache, messages, args.max_new_tokens, clock)
         messages.append({"role": "assistant", "content": reply})
         if args.save:  # after every turn, so an interrupted chat can be resumed with --load

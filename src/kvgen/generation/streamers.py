@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 
 class TextStreamer:
@@ -50,3 +51,39 @@ class TextStreamer:
     def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
         out = self.file or sys.stdout
         print(text, file=out, flush=True, end="" if not stream_end else "\n")
+
+
+class TokenTimer:
+    """A streamer that timestamps each ``put`` and passes it on to ``then`` (another streamer, or none).
+
+    ``generate()`` puts the prompt first, then each step's new tokens, so the second stamp ends the prefill.
+
+    Example:
+        >>> timer = TokenTimer()
+        >>> _ = model.generate(ids, max_new_tokens=8, streamer=timer)          # doctest: +SKIP
+        >>> timer.prefill_seconds(), timer.decode_tokens_per_second()          # doctest: +SKIP
+    """
+
+    def __init__(self, then=None):
+        self.then = then
+        self.start = time.perf_counter()
+        self.stamps: list[float] = []
+        self.counts: list[int] = []  # tokens per put (speculative decoding puts several at once)
+
+    def put(self, value):
+        if self.then is not None:
+            self.then.put(value)
+        self.stamps.append(time.perf_counter())
+        self.counts.append(value.numel())
+
+    def end(self):
+        if self.then is not None:
+            self.then.end()
+
+    def prefill_seconds(self) -> float:
+        """From the timer's creation to the first new tokens."""
+        return self.stamps[1] - self.start if len(self.stamps) > 1 else float("nan")
+
+    def decode_tokens_per_second(self) -> float:
+        """New tokens after the first ones, over the time from the first to the last."""
+        return sum(self.counts[2:]) / (self.stamps[-1] - self.stamps[1]) if len(self.stamps) > 2 else float("nan")
