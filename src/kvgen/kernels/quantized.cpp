@@ -746,19 +746,30 @@ void Q8_0x16::block(const uint8_t* blk, E&& emit, C&& close) {
   block32<Q8_0x16, CH>(blk, emit, close);
 }
 
-template <int CH, class E, class C>
-void Q4_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
-  constexpr int S = SLOTS<CH> / 2;
+// the 8 groups' scales d and negated mins m of a Q4_K tile block, as k_scales, 16 rows at a time
+inline void k_scales16(const uint8_t* blk, vf* d, vf* m) {
   const uint8_t* run = blk + 64;  // 16 rows' d, then dmin, before the runs
   const vf dd = f16_fields(blk), dmin = f16_fields(blk + 32);
   vi sc[12];  // k_scales' 12 bytes of the 16 rows
   for (int j = 0; j < 12; ++j) sc[j] = toi(load16(run + 16 * j));
-  vn d[8][DC], m[8][DC];  // as k_scales, 16 rows at a time (the min negated)
   for (int j = 0; j < 4; ++j) {
-    to_lanes(dd * __builtin_convertvector(sc[j] & 0x3F, vf), d[j]);
-    to_lanes(-(dmin * __builtin_convertvector(sc[j + 4] & 0x3F, vf)), m[j]);
-    to_lanes(dd * __builtin_convertvector((sc[j + 8] & 0x0F) | ((sc[j] >> 2) & 0x30), vf), d[j + 4]);
-    to_lanes(-(dmin * __builtin_convertvector((sc[j + 8] >> 4) | ((sc[j + 4] >> 2) & 0x30), vf)), m[j + 4]);
+    d[j] = dd * __builtin_convertvector(sc[j] & 0x3F, vf);
+    m[j] = -(dmin * __builtin_convertvector(sc[j + 4] & 0x3F, vf));
+    d[j + 4] = dd * __builtin_convertvector((sc[j + 8] & 0x0F) | ((sc[j] >> 2) & 0x30), vf);
+    m[j + 4] = -(dmin * __builtin_convertvector((sc[j + 8] >> 4) | ((sc[j + 4] >> 2) & 0x30), vf));
+  }
+}
+
+template <int CH, class E, class C>
+void Q4_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
+  constexpr int S = SLOTS<CH> / 2;
+  const uint8_t* run = blk + 64;
+  vf scales[8], mins[8];
+  k_scales16(blk, scales, mins);
+  vn d[8][DC], m[8][DC];
+  for (int g = 0; g < 8; ++g) {
+    to_lanes(scales[g], d[g]);
+    to_lanes(mins[g], m[g]);
   }
   for (int c = 0; c < 4; ++c) {  // byte i of chunk c: value 64 c + i (low nibble), 64 c + 32 + i (high)
     for (int i0 = 0; i0 < 32; i0 += S)
@@ -995,19 +1006,8 @@ void Q5_0x16::dot_groups(const uint8_t* blk, F&& f) {
 template <class F>
 void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   const uint8_t* run = blk + 64;
-  const vf dd = f16_fields(blk), dmin = f16_fields(blk + 32);
-  float d[8][16], m[8][16];  // as k_scales, 16 rows at a time (the min negated); in memory: 32 registers are few
-  for (int j = 0; j < 4; ++j) {
-    const vi lo = toi(load16(run + 16 * j)), mid = toi(load16(run + 16 * (j + 4)));
-    const vi hi = toi(load16(run + 16 * (j + 8)));
-    const vf v[4] = {dd * __builtin_convertvector(lo & 0x3F, vf), -(dmin * __builtin_convertvector(mid & 0x3F, vf)),
-                     dd * __builtin_convertvector((hi & 0x0F) | ((lo >> 2) & 0x30), vf),
-                     -(dmin * __builtin_convertvector((hi >> 4) | ((mid >> 2) & 0x30), vf))};
-    std::memcpy(d[j], &v[0], 64);
-    std::memcpy(m[j], &v[1], 64);
-    std::memcpy(d[j + 4], &v[2], 64);
-    std::memcpy(m[j + 4], &v[3], 64);
-  }
+  vf d[8], m[8];  // read back one group at a time: 32 registers are few
+  k_scales16(blk, d, m);
   for (int g = 0; g < 8; ++g) {  // byte i of chunk c = g / 2: value 64 c + i (low nibble), 64 c + 32 + i (high)
     __m512i u[8];
 #pragma GCC unroll 8
@@ -1015,7 +1015,7 @@ void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
       const __m512i v = by_row(run + 16 * (12 + 32 * (g / 2) + 4 * j));
       u[j] = g % 2 ? high4(v) : low4(v);
     }
-    f(Vectors8{}, 32 * g, u, _mm512_loadu_ps(d[g]), _mm512_loadu_ps(m[g]));
+    f(Vectors8{}, 32 * g, u, m512(d[g]), m512(m[g]));
   }
 }
 
