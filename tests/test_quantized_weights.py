@@ -254,7 +254,8 @@ def check_fused_decode_layers(model, tokenizer, monkeypatch):
     """A decode step on stored weights runs two C++ ops per layer (kvgen::decoder_attention_inputs,
     kvgen::decoder_mlp) in place of its modules. Same kernels, same order; only the activation's
     exp / tanh differ (ATen's vectorised ones against the C library's, within an ulp or two), so
-    logits of 1 and 3 rows over 8 steps agree to float32 rounding through every layer (1e-4)."""
+    logits of 1 and 3 rows over 8 steps agree to float32 rounding through every layer (1e-4). The
+    whole stack as one op (kvgen::decoder_layers, the default) runs those same functions: equal bits."""
     from kvgen.models import native
 
     calls = []
@@ -266,18 +267,21 @@ def check_fused_decode_layers(model, tokenizer, monkeypatch):
         monkeypatch.setattr(native, name, counted)
     ids = tokenizer(["The capital of France is"] * 3, return_tensors="pt")["input_ids"]
     for rows in (1, 3):
-        caches = kvgen.DynamicCache(), kvgen.DynamicCache()
+        caches = kvgen.DynamicCache(), kvgen.DynamicCache(), kvgen.DynamicCache()
         with torch.no_grad():
             step = ids[:rows]
             for _ in range(8):
-                calls.clear()
-                fused = model(step, past_key_values=caches[0]).logits[:, -1]
-                used = set(calls)
-                with monkeypatch.context() as m:  # the modules themselves
-                    m.setattr(native, "decoder_attention_inputs", lambda *a: None)
+                stacked = model(step, past_key_values=caches[2]).logits[:, -1]
+                with monkeypatch.context() as m:  # layer by layer
+                    m.setattr(model.decode_stack, "run", lambda *a: None)
+                    calls.clear()
+                    fused = model(step, past_key_values=caches[0]).logits[:, -1]
+                    used = set(calls)
+                    m.setattr(native, "decoder_attention_inputs", lambda *a: None)  # the modules themselves
                     m.setattr(native, "decoder_mlp", lambda *a: None)
                     plain = model(step, past_key_values=caches[1]).logits[:, -1]
                 assert (fused - plain).abs().max().item() < 1e-4
+                assert torch.equal(stacked, fused)
                 step = plain.argmax(-1, keepdim=True)
             assert used == {("decoder_attention_inputs", True), ("decoder_mlp", True)}  # the last step ran fused
 

@@ -40,6 +40,13 @@ class CacheLayer:
         """Store ``key``/``value`` (B, H, T, D) at ``cache_position`` (T,); return what to attend to."""
         raise NotImplementedError
 
+    def reserve(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What ``update(key, value, ...)`` returns, with room made for the new keys/values but without writing them:
+        the caller writes them into the last T slots (the fused decode step, :mod:`kvgen.models.decode_stack`).
+        Only the shapes and dtypes of ``key``/``value`` (B, H, T, D) are read. ``None`` (the default), changing
+        nothing: the layer stores only through ``update`` (it quantizes, re-rotates or moves what it stores)."""
+        return None
+
     def key_positions(self, cache_position: torch.Tensor) -> torch.Tensor:
         """Absolute position held by each slot that ``update`` will return for ``cache_position``; -1 if empty."""
         raise NotImplementedError
@@ -193,6 +200,15 @@ class Cache:
 
     def key_positions(self, layer_idx: int, cache_position: torch.Tensor) -> torch.Tensor:
         return self.layer(layer_idx).key_positions(cache_position)
+
+    def reserve(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[tuple] | None:
+        """:meth:`CacheLayer.reserve` of layers 0 .. len(keys) - 1 for the new ``keys[i]``/``values[i]``
+        (B, Hkv, T, D): per layer, the buffers to write the new tokens into (their last T slots) and then attend
+        to; ``None``, changing nothing, unless every layer can reserve."""
+        layers = [self.layer(i) for i in range(len(keys))]
+        if any(type(layer).reserve is CacheLayer.reserve for layer in layers):
+            return None
+        return [layer.reserve(k, v) for layer, k, v in zip(layers, keys, values)]
 
     def read_ssm_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(conv_state, ssm_state)`` of state-space (Mamba) layer ``layer_idx``; ``(None, None)`` when it is empty."""

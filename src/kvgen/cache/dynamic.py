@@ -57,7 +57,8 @@ class DynamicLayer(CacheLayer):
             self._k, self._v = k, v
         self._start, self._end = 0, live
 
-    def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _claim(self, key: torch.Tensor, value: torch.Tensor) -> int:
+        """Room for ``key``/``value``'s T new slots, counted as held; returns the first of them (to be written)."""
         t = key.shape[2]
         if self._k is None:
             b, h, _, d = key.shape
@@ -70,15 +71,27 @@ class DynamicLayer(CacheLayer):
                 f"{self._k.shape[0]} with {self._k.shape[1]} heads; use one cache per batch shape"
             )
         self._make_room(t)
-        self._k.narrow(2, self._end, t).copy_(key)  # narrow: a few microseconds less than [:, :, a:b] per step
-        self._v.narrow(2, self._end, t).copy_(value)
+        first = self._end
         self._end += t
         self._seen += t
+        return first
+
+    def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        first, t = self._claim(key, value), key.shape[2]
+        self._k.narrow(2, first, t).copy_(key)  # narrow: a few microseconds less than [:, :, a:b] per step
+        self._v.narrow(2, first, t).copy_(value)
+
+    def _live(self) -> tuple[torch.Tensor, torch.Tensor]:
+        live = self._end - self._start
+        return self._k.narrow(2, self._start, live), self._v.narrow(2, self._start, live)
 
     def update(self, key, value, cache_position):
         self._append(key, value)
-        live = self._end - self._start
-        return self._k.narrow(2, self._start, live), self._v.narrow(2, self._start, live)
+        return self._live()
+
+    def reserve(self, key, value):
+        self._claim(key, value)
+        return self._live()
 
     def key_positions(self, cache_position):
         live = self._end - self._start
@@ -154,11 +167,18 @@ class DynamicSlidingWindowLayer(DynamicLayer):
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.sliding_window = sliding_window
 
-    def update(self, key, value, cache_position):
+    def _drop_unseen(self) -> None:
         keep = self.sliding_window - 1
         if self._end - self._start > keep:  # drop what no future query can see (no copy)
             self._start = self._end - keep
+
+    def update(self, key, value, cache_position):
+        self._drop_unseen()
         return super().update(key, value, cache_position)
+
+    def reserve(self, key, value):
+        self._drop_unseen()
+        return super().reserve(key, value)
 
     def key_positions(self, cache_position):
         live = min(self._end - self._start, self.sliding_window - 1)

@@ -1983,6 +1983,63 @@ at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorLi
   return out.view(x.sizes());
 }
 
+// A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
+// calls per layer: for each layer i, decoder_attention_inputs; its new keys and values written into
+// the last T slots of keys[i] / values[i] (B, Hkv, S_i, D: the cache's buffers, room already made
+// for them); attention of the queries over all S_i slots with masks[i]; decoder_mlp. Exactly the
+// per-layer ops, in the same order, so the two paths give the same bits. A layer's weight segments
+// are the next qkv_counts[i] (o_counts[i], ...) tensors of qkv (o, ...).
+at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorList sin, at::TensorList keys,
+                          at::TensorList values, const c10::List<c10::optional<at::Tensor>>& masks,
+                          at::ArrayRef<double> scales, at::ArrayRef<double> softcaps, at::TensorList input_norms,
+                          const c10::List<c10::optional<at::Tensor>>& q_norms,
+                          const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList qkv,
+                          at::IntArrayRef qkv_formats, at::IntArrayRef qkv_counts, at::TensorList o,
+                          at::IntArrayRef o_formats, at::IntArrayRef o_counts,
+                          const c10::List<c10::optional<at::Tensor>>& post_attention, at::TensorList pre_feedforward,
+                          const c10::List<c10::optional<at::Tensor>>& post_feedforward, at::TensorList gate_up,
+                          at::IntArrayRef gate_up_formats, at::IntArrayRef gate_up_counts, at::TensorList down,
+                          at::IntArrayRef down_formats, at::IntArrayRef down_counts, int64_t H, int64_t Hkv,
+                          double eps, double head_eps, double offset, int64_t act) {
+  const size_t L = input_norms.size();
+  for (size_t n : {cos.size(), sin.size(), keys.size(), values.size(), masks.size(), scales.size(), softcaps.size(),
+                   q_norms.size(), k_norms.size(), qkv_counts.size(), o_counts.size(), post_attention.size(),
+                   pre_feedforward.size(), post_feedforward.size(), gate_up_counts.size(), down_counts.size()})
+    TORCH_CHECK(n == L, "kvgen: decoder_layers takes one entry per layer in every per-layer list (", L, " layers)");
+  struct Segments {
+    at::TensorList ws;
+    at::IntArrayRef formats, counts;
+    size_t next = 0;
+    std::pair<at::TensorList, at::IntArrayRef> take(size_t i) {  // layer i's segments (layers taken in order)
+      TORCH_CHECK(formats.size() == ws.size() && next + counts[i] <= ws.size(),
+                  "kvgen: decoder_layers' weight segments do not match their formats and counts");
+      const auto out = std::make_pair(ws.slice(next, counts[i]), formats.slice(next, counts[i]));
+      next += counts[i];
+      return out;
+    }
+  } qkv_s{qkv, qkv_formats, qkv_counts}, o_s{o, o_formats, o_counts}, gu_s{gate_up, gate_up_formats, gate_up_counts},
+      down_s{down, down_formats, down_counts};
+  at::Tensor x = x0;
+  const int64_t B = x.size(0), T = x.size(1);
+  for (size_t i = 0; i < L; ++i) {
+    const auto [qkv_w, qkv_f] = qkv_s.take(i);
+    const std::vector<at::Tensor> qkv_out = decoder_attention_inputs(
+        x, input_norms[i], eps, qkv_w, qkv_f, cos[i], sin[i], H, Hkv, q_norms.get(i), k_norms.get(i), head_eps, offset);
+    const at::Tensor &k = keys[i], &v = values[i];
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(2) >= T && v.size(2) == k.size(2),
+                "kvgen: decoder_layers' keys and values of layer ", i, " must be (B, Hkv, S >= T, D)");
+    k.narrow(2, k.size(2) - T, T).copy_(qkv_out[1]);
+    v.narrow(2, v.size(2) - T, T).copy_(qkv_out[2]);
+    const at::Tensor attn = attention(qkv_out[0], k, v, masks.get(i), scales[i], softcaps[i]);  // (B, H, T, D)
+    const auto [o_w, o_f] = o_s.take(i);
+    const auto [gu_w, gu_f] = gu_s.take(i);
+    const auto [down_w, down_f] = down_s.take(i);
+    x = decoder_mlp(x, attn.transpose(1, 2).reshape({B, T, -1}), o_w, o_f, post_attention.get(i), pre_feedforward[i],
+                    post_feedforward.get(i), eps, gu_w, gu_f, down_w, down_f, act, offset);
+  }
+  return x;
+}
+
 // the formats whose products take integer dot products on this CPU (AVX-512 VNNI), else none
 std::vector<int64_t> integer_dot_formats() {
 #if defined(KVGEN_DOT8)
@@ -2003,6 +2060,12 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("decoder_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor? post_attention, "
         "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
         "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
+  m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, Tensor[] keys, Tensor[] values, Tensor?[] masks, "
+        "float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, Tensor?[] k_norms, Tensor[] qkv, "
+        "int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, int[] o_counts, Tensor?[] post_attention, "
+        "Tensor[] pre_feedforward, Tensor?[] post_feedforward, Tensor[] gate_up, int[] gate_up_formats, "
+        "int[] gate_up_counts, Tensor[] down, int[] down_formats, int[] down_counts, int heads, int kv_heads, "
+        "float eps, float head_eps, float offset, int act) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
@@ -2012,4 +2075,5 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("attention", attention);
   m.impl("decoder_attention_inputs", decoder_attention_inputs);
   m.impl("decoder_mlp", decoder_mlp);
+  m.impl("decoder_layers", decoder_layers);
 }

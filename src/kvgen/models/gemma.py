@@ -25,6 +25,7 @@ from kvgen.config import GEMMA3_TYPES
 from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
+from kvgen.models.decode_stack import DecodeStack, LayerParts
 from kvgen.models.linear import Linear
 from kvgen.models.llama import LlamaForCausalLM, attention_inputs
 from kvgen.outputs import CausalLMOutputWithPast
@@ -173,6 +174,12 @@ def _finish_layer(layer: GemmaDecoderLayer, x, attn):
     return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
 
 
+def layer_parts(layer: GemmaDecoderLayer) -> LayerParts:
+    """What a fused decode step reads of a layer (:mod:`kvgen.models.decode_stack`): the sandwich norms too."""
+    return LayerParts(layer.input_layernorm, layer.self_attn, layer.pre_feedforward_layernorm, layer.mlp,
+                      layer.post_attention_layernorm, layer.post_feedforward_layernorm)
+
+
 @decode_block
 def _logits(model: GemmaForCausalLM, x):
     logits = model.lm_head(model.model.norm(x))
@@ -220,6 +227,7 @@ class GemmaForCausalLM(PreTrainedModel):
                              "model only: use a gemma3_text checkpoint or the GGUF of its text part")
         self.model = GemmaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decode_stack = DecodeStack(layer_parts)
         self.tie_weights()
 
     def tie_weights(self):
@@ -262,9 +270,13 @@ class GemmaForCausalLM(PreTrainedModel):
         cache_kwargs = {FULL: {"cache_position": cache_position, "rotary_emb": full},
                         SLIDING: {"cache_position": cache_position, "rotary_emb": local or full}}
         masks = LayerMasks(cache, cache_position, attention_mask)
-        for layer, kind in zip(self.model.layers, self.config.layer_types):
-            kind = SLIDING if kind == SLIDING else FULL
-            x = layer(x, *tables[kind], masks, cache, cache_kwargs[kind])
+        kinds = [SLIDING if kind == SLIDING else FULL for kind in self.config.layer_types]
+        stacked = self.decode_stack.run(self.model.layers, x, [tables[kind] for kind in kinds], masks, cache)
+        if stacked is not None:
+            x = stacked
+        else:
+            for layer, kind in zip(self.model.layers, kinds):
+                x = layer(x, *tables[kind], masks, cache, cache_kwargs[kind])
         logits = _logits(self, keep_logit_rows(x, logits_to_keep))
         out = CausalLMOutputWithPast(logits=logits, past_key_values=finish_cache(cache, legacy))
         return out if return_dict else out.to_tuple()

@@ -18,6 +18,7 @@ from torch import nn
 from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
+from kvgen.models.decode_stack import DecodeStack, LayerParts
 from kvgen.models.linear import Linear
 from kvgen.models.packed import cat_rows
 from kvgen.outputs import CausalLMOutputWithPast
@@ -143,6 +144,11 @@ def _finish_layer(layer: DecoderLayer, x, attn):
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+def layer_parts(layer: DecoderLayer) -> LayerParts:
+    """What a fused decode step reads of a layer (:mod:`kvgen.models.decode_stack`)."""
+    return LayerParts(layer.input_layernorm, layer.self_attn, layer.post_attention_layernorm, layer.mlp)
+
+
 @decode_block
 def _logits(model: LlamaForCausalLM, x):
     return model.lm_head(model.model.norm(x))
@@ -173,6 +179,7 @@ class LlamaForCausalLM(PreTrainedModel):
         super().__init__(config)
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.decode_stack = DecodeStack(layer_parts)
         self.tie_weights()
 
     def tie_weights(self):
@@ -226,8 +233,13 @@ class LlamaForCausalLM(PreTrainedModel):
         cos, sin = self.model.rotary_emb(position_ids, x.dtype)
         masks = LayerMasks(cache, cache_position, attention_mask)
         cache_kwargs = {"cache_position": cache_position, "rotary_emb": self.model.rotary_emb}
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, masks, cache, cache_kwargs)
+        layers = self.model.layers
+        stacked = self.decode_stack.run(layers, x, [(cos, sin)] * len(layers), masks, cache)
+        if stacked is not None:
+            x = stacked
+        else:
+            for layer in layers:
+                x = layer(x, cos, sin, masks, cache, cache_kwargs)
         logits = _logits(self, keep_logit_rows(x, logits_to_keep))
         out = CausalLMOutputWithPast(logits=logits, past_key_values=finish_cache(cache, legacy))
         return out if return_dict else out.to_tuple()

@@ -98,7 +98,21 @@ def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
-# The two ops below run once per layer and decode step: their wrappers read each attribute once.
+def attention_inputs_fuse(norm: torch.nn.Module, proj: torch.nn.Module, head_dim: int, heads: int,
+                          kv_heads: int) -> bool:
+    """Whether ``kvgen::decoder_attention_inputs`` computes this layer's ``q, k, v`` (its weights' side of it)."""
+    return (_packed(proj) and head_dim % 32 == 0 and head_dim * (heads + 2 * kv_heads) == proj.out_features
+            and norm.weight.dtype == torch.float32)
+
+
+def mlp_fuses(o_proj: torch.nn.Module, pre_norm: torch.nn.Module, mlp: torch.nn.Module) -> bool:
+    """Whether ``kvgen::decoder_mlp`` computes this layer's MLP half (its weights' side of it)."""
+    return (mlp.act_name in ACTIVATION_CODES and _packed(o_proj) and _packed(mlp.gate_up_proj)
+            and _packed(mlp.down_proj) and pre_norm.weight.dtype == torch.float32)
+
+
+# The two ops below run once per layer and decode step (where kvgen.models.decode_stack does not run the
+# whole stack): their wrappers read each attribute once.
 
 def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module, cos: torch.Tensor,
                              sin: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.nn.Module | None = None,
@@ -109,15 +123,11 @@ def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch
     (they scale by ``weight + offset``; one offset for all of a model's norms). None
     where it does not apply (more than ``MAX_ROWS`` rows, float weights, biases, partial rotary):
     then the caller runs its modules."""
-    head_dim = cos.shape[-1]
-    if not (_packed(proj) and _native(x, x.shape[0] * x.shape[1]) and cos.dtype == torch.float32
-            and head_dim % 32 == 0 and head_dim * (heads + 2 * kv_heads) == proj.out_features):
-        return None
-    weight = norm.weight
-    if weight.dtype != torch.float32:
+    if not (cos.dtype == torch.float32 and _native(x, x.shape[0] * x.shape[1])
+            and attention_inputs_fuse(norm, proj, cos.shape[-1], heads, kv_heads)):
         return None
     return torch.ops.kvgen.decoder_attention_inputs(
-        x, weight, norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads, _weight(q_norm),
+        x, norm.weight, norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads, _weight(q_norm),
         _weight(k_norm), 0.0 if q_norm is None else q_norm.eps, norm.offset)
 
 
@@ -128,14 +138,10 @@ def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pr
     as one C++ op (``kvgen::decoder_mlp``: a gated MLP with ``mlp.act_name`` in
     :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
     for Llama). None where it does not apply."""
-    act = ACTIVATION_CODES.get(mlp.act_name)
+    if not (_native(x, x.shape[0] * x.shape[1]) and mlp_fuses(o_proj, pre_norm, mlp)):
+        return None
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    if (act is None or not (_packed(o_proj) and _packed(gate_up) and _packed(down))
-            or not _native(x, x.shape[0] * x.shape[1])):
-        return None
-    weight = pre_norm.weight
-    if weight.dtype != torch.float32:
-        return None
     return torch.ops.kvgen.decoder_mlp(
-        x, attn, o_proj._segments, o_proj.formats, _weight(post_attention), weight, _weight(post_feedforward),
-        pre_norm.eps, gate_up._segments, gate_up.formats, down._segments, down.formats, act, pre_norm.offset)
+        x, attn, o_proj._segments, o_proj.formats, _weight(post_attention), pre_norm.weight, _weight(post_feedforward),
+        pre_norm.eps, gate_up._segments, gate_up.formats, down._segments, down.formats,
+        ACTIVATION_CODES[mlp.act_name], pre_norm.offset)

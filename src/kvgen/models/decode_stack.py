@@ -1,0 +1,150 @@
+"""A decode step's whole stack of decoder layers as one C++ op, on stored-precision weights.
+
+Per layer, an eager decode step on packed weights is three C++ ops (``kvgen::decoder_attention_inputs``,
+``kvgen::attention``, ``kvgen::decoder_mlp``) and the Python around them: module calls, the checks of
+each op's wrapper, the mask lookup and the cache update, ~60-100 us a layer, a quarter of a SmolLM2
+Q4_1 step on 2 cores (2.5 of ~10 ms). Where every layer's cache can hand out the slots its new keys and
+values go to (:meth:`kvgen.cache.base.Cache.reserve`), :meth:`DecodeStack.run` runs all layers as one
+op, ``kvgen::decoder_layers``: the same three C++ functions per layer in the same order, the new keys and
+values written into the reserved slots in between, so it gives the bits the per-layer path gives.
+
+The op's arguments (every layer's weights, norms, formats) are gathered once and kept; each step checks
+that the layers still hold the same modules and tensors (identity of every entry of their
+``_modules``, ``_parameters`` and ``_buffers``: ~30 us) and gathers them again when not.
+
+Example:
+    >>> stack = DecodeStack(llama_layer_parts)                                        # doctest: +SKIP
+    >>> x = stack.run(model.model.layers, x, [(cos, sin)] * len(layers), masks, cache)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Callable, NamedTuple
+
+import torch
+
+from kvgen.models.native import ACTIVATION_CODES, _native, _weight, attention_inputs_fuse, mlp_fuses
+
+
+class LayerParts(NamedTuple):
+    """The modules of one decoder layer that the fused step reads (the post norms are Gemma's, else None)."""
+
+    input_norm: torch.nn.Module
+    attn: torch.nn.Module  # qkv_proj, o_proj, q_norm, k_norm, num_heads, num_kv_heads, scaling, sliding_window
+    pre_feedforward: torch.nn.Module
+    mlp: torch.nn.Module  # gate_up_proj, down_proj, act_name
+    post_attention: torch.nn.Module | None = None
+    post_feedforward: torch.nn.Module | None = None
+
+
+def _entries(layers: torch.nn.ModuleList) -> tuple[list[dict], list[str], list[object]]:
+    """Every (dict, key, value) of the ``_modules``, ``_parameters`` and ``_buffers`` of ``layers`` and below."""
+    stores, keys, values = [], [], []
+    for module in layers.modules():
+        for store in (module._modules, module._parameters, module._buffers):
+            for key, value in store.items():
+                stores.append(store)
+                keys.append(key)
+                values.append(value)
+    return stores, keys, values
+
+
+class _Plan(NamedTuple):
+    windows: list[int | None]  # each layer's sliding window
+    kv_heads: int
+    head_dim: int
+    scales: list[float]
+    softcaps: list[float]  # 0: none
+    args: tuple  # the weight-side arguments of kvgen::decoder_layers, in its order
+
+
+class DecodeStack:
+    """Runs the decoder layers of a decode step (at most ``MAX_ROWS`` token rows) as one op where it applies.
+
+    ``parts(layer)`` names a layer's modules (:class:`LayerParts`). :meth:`run` returns ``None``, having changed
+    nothing, where the fused op does not apply: float weights, more rows, autograd or compile, a cache that
+    stores only through ``update``, a causal mask (a prefill into an empty cache), layers of different shapes.
+    """
+
+    def __init__(self, parts: Callable[[torch.nn.Module], LayerParts]):
+        self.parts = parts
+        self._layers: torch.nn.ModuleList | None = None
+        self._checked: tuple[list, list, list] = ([], [], [])  # what the plan was gathered from
+        self._plan: _Plan | None = None
+
+    def _current_plan(self, layers: torch.nn.ModuleList) -> _Plan | None:
+        stores, keys, values = self._checked
+        if layers is self._layers and all(map(operator.is_, map(dict.get, stores, keys), values)):
+            return self._plan
+        self._layers, self._checked = layers, _entries(layers)
+        self._plan = self._gather(layers)
+        return self._plan
+
+    def _gather(self, layers: torch.nn.ModuleList) -> _Plan | None:
+        parts = [self.parts(layer) for layer in layers]
+        if not parts:
+            return None
+        first = parts[0].attn
+        heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        norms = [p.input_norm for p in parts] + [p.pre_feedforward for p in parts]
+        eps, offset = norms[0].eps, norms[0].offset
+        act = ACTIVATION_CODES.get(parts[0].mlp.act_name)
+        for p in parts:
+            a = p.attn
+            if ((a.num_heads, a.num_kv_heads, a.head_dim) != (heads, kv_heads, head_dim)
+                    or p.mlp.act_name != parts[0].mlp.act_name
+                    or not attention_inputs_fuse(p.input_norm, a.qkv_proj, head_dim, heads, kv_heads)
+                    or not mlp_fuses(a.o_proj, p.pre_feedforward, p.mlp)):
+                return None
+        head_norms = [n for p in parts for n in (p.attn.q_norm, p.attn.k_norm) if n is not None]
+        if any((n.eps, n.offset) != (eps, offset) for n in norms) or \
+                len({n.eps for n in head_norms}) > 1 or any(n.weight.dtype != torch.float32 for n in head_norms):
+            return None
+
+        def segments(linears):
+            return ([w for m in linears for w in m._segments], [f for m in linears for f in m.formats],
+                    [len(m.formats) for m in linears])
+
+        args = (
+            [p.input_norm.weight for p in parts], [_weight(p.attn.q_norm) for p in parts],
+            [_weight(p.attn.k_norm) for p in parts], *segments([p.attn.qkv_proj for p in parts]),
+            *segments([p.attn.o_proj for p in parts]), [_weight(p.post_attention) for p in parts],
+            [p.pre_feedforward.weight for p in parts], [_weight(p.post_feedforward) for p in parts],
+            *segments([p.mlp.gate_up_proj for p in parts]), *segments([p.mlp.down_proj for p in parts]),
+            heads, kv_heads, eps, head_norms[0].eps if head_norms else 0.0, offset, act)
+        return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, [p.attn.scaling for p in parts],
+                     [getattr(p.attn, "softcap", None) or 0.0 for p in parts], args)
+
+    def run(self, layers: torch.nn.ModuleList, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], masks, cache) -> torch.Tensor | None:
+        """The hidden states after every layer, or ``None`` (nothing done) where the fused op does not apply.
+
+        ``layers``: the decoder layers; ``x``: (B, T, hidden); ``tables``: each layer's rotary ``(cos, sin)``, (B, T, D) each; ``masks``: the
+        forward pass's :class:`~kvgen.models.base.LayerMasks`; ``cache``: the cache to extend.
+        """
+        b, t = x.shape[0], x.shape[1]
+        if cache is None or not _native(x, b * t) or tables[0][0].dtype != torch.float32 or \
+                any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):  # hooks see each layer
+            return None
+        plan = self._current_plan(layers)
+        if plan is None or tables[0][0].shape[-1] != plan.head_dim:
+            return None
+        layer_masks = []
+        for i, window in enumerate(plan.windows):
+            mask, is_causal = masks(i, window)  # before reserving: it asks the cache
+            if is_causal:
+                return None
+            layer_masks.append(mask)
+        layers = len(plan.windows)
+        new = x.new_empty(()).expand(b, plan.kv_heads, t, plan.head_dim)  # the shape of each layer's new keys
+        length = cache.get_seq_length()
+        buffers = cache.reserve([new] * layers, [new] * layers)
+        if buffers is None:
+            return None
+        try:
+            return torch.ops.kvgen.decoder_layers(
+                x, [c for c, _ in tables], [s for _, s in tables], [k for k, _ in buffers], [v for _, v in buffers],
+                layer_masks, plan.scales, plan.softcaps, *plan.args)
+        except BaseException:
+            cache.crop(length)  # the reserved slots were not all written
+            raise

@@ -1,0 +1,167 @@
+"""The fused decode stack (``kvgen::decoder_layers``, :mod:`kvgen.models.decode_stack`) and the cache seam it uses.
+
+The stack runs the per-layer C++ functions in the per-layer order, so its logits and cache contents must
+equal the per-layer path's bit for bit: on random Llama, Gemma 2 (soft-caps) and Gemma 3 (q/k norms,
+local rope) checkpoints quantized to int8 at load, with a growing cache, a sliding-window cache past its
+window, and a left-padded batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import kvgen
+from kvgen.cache.base import Cache
+from kvgen.cache.dynamic import DynamicLayer, DynamicSlidingWindowLayer
+from kvgen.cache.static import StaticLayer
+from kvgen.kernels import kernels_available
+from kvgen.models.packed import PackedWeight
+from kvgen.quantization import TorchAoConfig
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="kvgen's C++ kernels could not be built here")
+
+WINDOW = 6
+BASE = dict(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, max_position_embeddings=128, initializer_range=0.2)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**BASE),
+    "gemma2": lambda: transformers.Gemma2Config(**BASE, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                                attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(**BASE, sliding_window=WINDOW, sliding_window_pattern=2),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.5)
+    folder = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(folder)
+    return kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                     quantization_config=TorchAoConfig("int8_weight_only"))
+
+
+def decode(model, ids, padding, cache, steps, fused: bool, monkeypatch):
+    """Logits of a prefill and ``steps`` greedy steps, and how many steps the stack ran."""
+    stack_runs, logits = [], []
+    run = model.decode_stack.run
+
+    def counted(*args):
+        stack_runs.append(run(*args) if fused else None)
+        return stack_runs[-1]
+
+    with monkeypatch.context() as m:
+        m.setattr(model.decode_stack, "run", counted)
+        with torch.no_grad():
+            for _ in range(steps + 1):
+                out = model(ids, attention_mask=padding, past_key_values=cache).logits[:, -1]
+                logits.append(out)
+                ids = out.argmax(-1, keepdim=True)
+                padding = torch.cat([padding, torch.ones_like(ids)], dim=1)
+    return logits, sum(r is not None for r in stack_runs)
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "dynamic_windowed", "padded"])
+def test_the_stack_gives_the_per_layer_bits(model, cache_kind, monkeypatch):
+    """Logits and stored keys/values equal to the per-layer path, past the sliding window (prompt 9, 12 steps)."""
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    padding = torch.ones_like(ids)
+    if cache_kind == "padded":
+        padding[1, :4] = 0
+    else:
+        ids, padding = ids[:1], padding[:1]
+
+    def new_cache():
+        return kvgen.DynamicCache(config=model.config) if cache_kind == "dynamic_windowed" else kvgen.DynamicCache()
+
+    caches = new_cache(), new_cache()
+    fused, runs = decode(model, ids, padding, caches[0], 12, True, monkeypatch)
+    plain, _ = decode(model, ids, padding, caches[1], 12, False, monkeypatch)
+    assert runs == 12  # every decode step fused (not the 9-token prefill)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(caches[0], caches[1]):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    if cache_kind == "dynamic_windowed" and model.config.model_type != "llama":
+        assert min(keys.shape[2] for keys, _ in caches[0]) < 9 + 12  # a sliding layer dropped what it may
+
+
+def test_a_replaced_weight_is_read_by_the_next_step(model, monkeypatch):
+    """The stack keeps its gathered arguments only while the layers hold the same tensors."""
+    ids = torch.tensor([[5, 6, 7]])
+    padding = torch.ones_like(ids)
+    decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)  # gathers the arguments
+    down = model.model.layers[1].mlp.down_proj
+    saved = down.weight
+    try:
+        (fmt, data), = saved.segments
+        down.weight = PackedWeight([(fmt, torch.flip(data, [0]).contiguous())], saved.in_features)
+        fused, runs = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
+        plain, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
+    finally:
+        down.weight = saved
+    assert runs == 2 and all(torch.equal(a, b) for a, b in zip(fused, plain))
+    before, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
+    assert not torch.equal(before[-1], fused[-1])
+
+
+def test_layer_hooks_still_run(model):
+    seen = []
+    handle = model.model.layers[0].register_forward_hook(lambda *a: seen.append(1))
+    try:
+        cache = kvgen.DynamicCache()
+        with torch.no_grad():
+            model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+            model(torch.tensor([[8]]), past_key_values=cache)
+    finally:
+        handle.remove()
+    assert len(seen) == 2
+
+
+def test_a_failed_step_gives_its_slots_back(model, monkeypatch):
+    cache = kvgen.DynamicCache()
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+
+        def broken(*args):
+            raise RuntimeError("broken")
+
+        monkeypatch.setattr(torch.ops.kvgen, "decoder_layers", broken)
+        with pytest.raises(RuntimeError, match="broken"):
+            model(torch.tensor([[8]]), past_key_values=cache)
+    assert cache.get_seq_length() == 3 and all(keys.shape[2] == 3 for keys, _ in cache)
+
+
+# -- the cache seam ----------------------------------------------------------------------------------
+
+
+def test_reserve_returns_what_update_returns_once_written():
+    k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    new_k, new_v = torch.randn(2, 3, 1, 8), torch.randn(2, 3, 1, 8)
+    for make in (DynamicLayer, lambda: DynamicSlidingWindowLayer(4)):
+        updated, reserved = make(), make()
+        for layer in (updated, reserved):
+            layer.update(k, v, torch.arange(5))
+        expected = updated.update(new_k, new_v, torch.tensor([5]))
+        keys, values = reserved.reserve(new_k, new_v)
+        keys[:, :, -1:] = new_k
+        values[:, :, -1:] = new_v
+        assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
+        assert reserved.get_seq_length() == 6 and torch.equal(reserved.keys, updated.keys)
+
+
+def test_a_cache_reserves_for_all_layers_or_none():
+    k = torch.randn(1, 2, 3, 8)
+    cache = Cache(layers=[DynamicLayer(), StaticLayer(max_cache_len=8)])
+    cache.update(k, k, 0, {"cache_position": torch.arange(3)})
+    assert cache.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2) is None  # a static layer writes at positions
+    assert cache.layers[0].get_seq_length() == 3  # and nothing was reserved
+    both = kvgen.DynamicCache()
+    reserved = both.reserve([k] * 2, [k] * 2)
+    assert [tuple(keys.shape) for keys, _ in reserved] == [(1, 2, 3, 8)] * 2 and both.get_seq_length() == 3
