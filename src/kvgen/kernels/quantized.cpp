@@ -1964,19 +1964,28 @@ at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorLi
   at::Tensor m = at::empty({R, I}, x.options());
   const float* g = gu.data_ptr<float>();
   float* mp = m.data_ptr<float>();
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < I; ++j) {
-      const float gv = g[r * 2 * I + j], u = g[r * 2 * I + I + j];
-      float a;
-      if (act == 0) {
-        a = gv / (1.0f + std::exp(-gv));
-      } else {  // 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as ATen's tanh GELU
-        const float cube = gv * gv * gv, inner = 0.7978845608028654f * (gv + 0.044715f * cube);
-        a = 0.5f * gv * (1.0f + std::tanh(inner));
-      }
-      asm("" : "+x"(a));  // rounded before the product, as act(g) * u
-      mp[r * I + j] = a * u;
+  // act(g) * u, 16 values at a time (vexp / vtanh: a few ulp, as ATen's vectorised ones; the C
+  // library's one value at a time cost ~10 us a layer for SmolLM2, ~40 us for Gemma 3's tanh)
+  auto activate = [act](auto gv) {
+    if (act == 0) return gv / (1.0f + vexp(-gv));
+    const auto inner = 0.7978845608028654f * (gv + 0.044715f * (gv * gv * gv));  // ATen's tanh GELU
+    return 0.5f * gv * (1.0f + vtanh(inner));
+  };
+  for (int64_t r = 0; r < R; ++r) {
+    const float *gr = g + r * 2 * I, *ur = gr + I;
+    float* out = mp + r * I;
+    int64_t j = 0;
+    for (; j + 16 <= I; j += 16) {
+      const vf a = activate(loadf(gr + j));  // a product apart from the one by u: act(g) rounded first
+      const vf y = a * loadf(ur + j);
+      std::memcpy(out + j, &y, 64);
     }
+    for (; j < I; ++j) {
+      float a = activate(vf{} + gr[j])[0];
+      asm("" : "+x"(a));  // rounded before the product, as act(g) * u
+      out[j] = a * ur[j];
+    }
+  }
   at::Tensor out = qmatmul(m, down, down_formats);
   maybe_norm(out, post_feedforward, eps, offset);
   add_into(out, h);
