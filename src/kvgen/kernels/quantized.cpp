@@ -1992,6 +1992,26 @@ at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorLi
   return out.view(x.sizes());
 }
 
+// buffer[:, :, S - T:] = fresh (B, H, T, D), contiguous; plain copies of rows where both are float32
+// with contiguous rows (ATen's copy_ of two views: ~3 us of dispatch and checks for a few hundred bytes)
+void store_last(const at::Tensor& buffer, const at::Tensor& fresh) {
+  const int64_t B = fresh.size(0), H = fresh.size(1), T = fresh.size(2), D = fresh.size(3), S = buffer.size(2);
+  TORCH_CHECK(buffer.size(0) == B && buffer.size(1) == H && buffer.size(3) == D && S >= T,
+              "kvgen: a cache buffer (B, H, S, D) must take the new (B, H, T, D) keys or values in its last slots");
+  if (buffer.scalar_type() != at::kFloat || buffer.stride(3) != 1 || !fresh.is_contiguous() ||
+      fresh.scalar_type() != at::kFloat) {
+    buffer.narrow(2, S - T, T).copy_(fresh);
+    return;
+  }
+  const float* src = fresh.data_ptr<float>();
+  float* dst = buffer.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t)
+        std::memcpy(dst + b * buffer.stride(0) + h * buffer.stride(1) + (S - T + t) * buffer.stride(2),
+                    src + ((b * H + h) * T + t) * D, D * sizeof(float));
+}
+
 // A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
 // calls per layer: for each layer i, decoder_attention_inputs; its new keys and values written into
 // the last T slots of keys[i] / values[i] (B, Hkv, S_i, D: the cache's buffers, room already made
@@ -2037,8 +2057,8 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
     const at::Tensor &k = keys[i], &v = values[i];
     TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(2) >= T && v.size(2) == k.size(2),
                 "kvgen: decoder_layers' keys and values of layer ", i, " must be (B, Hkv, S >= T, D)");
-    k.narrow(2, k.size(2) - T, T).copy_(qkv_out[1]);
-    v.narrow(2, v.size(2) - T, T).copy_(qkv_out[2]);
+    store_last(k, qkv_out[1]);
+    store_last(v, qkv_out[2]);
     const at::Tensor attn = attention(qkv_out[0], k, v, masks.get(i), scales[i], softcaps[i]);  // (B, H, T, D)
     const auto [o_w, o_f] = o_s.take(i);
     const auto [gu_w, gu_f] = gu_s.take(i);
