@@ -1,4 +1,4 @@
-"""The C++ ops (``kvgen.models.native``) against torch's: RMSNorm and attention.
+"""The C++ ops (``kvgen.models.native``) against torch's: RMSNorm, gated activations and attention.
 
 They must equal torch up to float32 rounding for every shape a decode step produces: GQA,
 1-8 query rows, boolean masks per batch row or shared, keys and values as strided views of
@@ -23,13 +23,38 @@ pytestmark = pytest.mark.skipif(not kernels_available() and "no C++ compiler" in
                                 reason="no C++ compiler to build kvgen's kernels")
 
 
-def test_rms_norm_matches_torch():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm_matches_torch(threads, monkeypatch):
+    """Decode rows and prefill rows (in parallel), widths with and without a tail past 16 values."""
     g = torch.Generator().manual_seed(0)
-    for shape in [(1, 1, 576), (2, 4, 640), (8, 64)]:
+    expected = {}
+    for shape in [(1, 1, 576), (2, 4, 640), (8, 64), (1, 512, 640), (3, 70, 100)]:
         x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+        expected[shape] = x, w, F.rms_norm(x, (shape[-1],), w, 1e-6)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad(), monkeypatch.context() as m:
+            m.setattr(native.F, "rms_norm", None)  # float32 on the CPU never reaches torch's
+            for x, w, reference in expected.values():
+                torch.testing.assert_close(native.rms_norm(x, w, 1e-6), reference, rtol=1e-5, atol=1e-6)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("act,reference", [("silu", F.silu), ("gelu_pytorch_tanh",
+                                                               lambda x: F.gelu(x, approximate="tanh"))])
+def test_gated_activation_matches_torch(act, reference):
+    g = torch.Generator().manual_seed(1)
+    for shape in [(1, 1, 2 * 1536), (2, 300, 2 * 2048), (5, 2 * 100)]:  # decode, prefill, a tail past 16
+        gate_up = torch.randn(*shape, generator=g) * 4
+        gate, up = gate_up.chunk(2, dim=-1)
         with torch.no_grad():
-            torch.testing.assert_close(native.rms_norm(x, w, 1e-6), F.rms_norm(x, (shape[-1],), w, 1e-6),
-                                       rtol=1e-5, atol=1e-6)
+            # a few ulp of exp / tanh (Cephes' against Sleef's), times |up| up to ~16: 1e-5
+            torch.testing.assert_close(native.gated_activation(gate_up, act), reference(gate) * up,
+                                       rtol=1e-5, atol=1e-5)
+    assert native.gated_activation(gate_up, "relu") is None  # no C++ code for it: the caller's torch path
+    assert native.gated_activation(gate_up.bfloat16(), act) is None
 
 
 # decode rows of Gemma 3 (4 query heads a key head, d 256) and of 8 heads a key head: scores 4 rows at a time

@@ -1343,8 +1343,20 @@ inline V vtanh(V x) {
 // y = x * rsqrt(mean(x^2) + eps) * (w + offset) over D values (y may be x); Gemma's norms scale by
 // 1 + w, rounded as its modules round it (a sum before products: nothing to fuse)
 inline void rms_row(const float* x, const float* w, int64_t D, double eps, float* y, float offset = 0.0f) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef double v8d __attribute__((vector_size(64)));
+  v8d part[2] = {};  // the squares summed in double, 16 lanes (one sum in order: ~4 cycles a value)
+  int64_t j = 0;
+  for (; j + 16 <= D; j += 16)
+    for (int h = 0; h < 2; ++h) {
+      v8 v;
+      std::memcpy(&v, x + j + 8 * h, 32);
+      const v8d d = __builtin_convertvector(v, v8d);
+      part[h] += d * d;  // exact products (48 bits)
+    }
   double ss = 0.0;
-  for (int64_t j = 0; j < D; ++j) ss += (double)x[j] * x[j];
+  for (int i = 0; i < 8; ++i) ss += part[0][i] + part[1][i];
+  for (; j < D; ++j) ss += (double)x[j] * x[j];
   const float scale = 1.0f / std::sqrt((float)(ss / D) + (float)eps);
   for (int64_t j = 0; j < D; ++j) y[j] = x[j] * scale * (w[j] + offset);
 }
@@ -1357,7 +1369,9 @@ at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double
   at::Tensor y = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) rms_row(xp + r * D, wp, D, eps, yp + r * D, (float)offset);
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {  // ~64 kB a task
+    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * D, wp, D, eps, yp + r * D, (float)offset);
+  });
   return y;
 }
 
@@ -1942,6 +1956,45 @@ void maybe_norm(at::Tensor& y, const c10::optional<at::Tensor>& norm, double eps
   if (norm.has_value()) y = rms_norm_offset(y, *norm, eps, offset);
 }
 
+// act(g) * u of gate_up = [g, u] (..., 2 I) -> (..., I), as a gated MLP computes it: act 0 SiLU, 1 GELU
+// (tanh), 16 values at a time (vexp / vtanh: a few ulp, as ATen's vectorised ones; the C library's
+// one value at a time cost a decode step ~10 us a layer for SmolLM2, ~40 us for Gemma 3's tanh),
+// rows in parallel (a prefill: ATen's gelu and mul of two strided halves took ~2 ms a layer)
+at::Tensor gated_activation(const at::Tensor& gate_up, int64_t act) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() && gate_up.dim() >= 1 &&
+              gate_up.size(-1) % 2 == 0, "kvgen: gated_activation takes contiguous float32 (..., 2 I)");
+  TORCH_CHECK(act == 0 || act == 1, "kvgen: the activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
+  const int64_t I = gate_up.size(-1) / 2, R = I ? gate_up.numel() / (2 * I) : 0;
+  std::vector<int64_t> sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  at::Tensor m = at::empty(sizes, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* mp = m.data_ptr<float>();
+  auto activate = [act](auto gv) {
+    if (act == 0) return gv / (1.0f + vexp(-gv));
+    const auto inner = 0.7978845608028654f * (gv + 0.044715f * (gv * gv * gv));  // ATen's tanh GELU
+    return 0.5f * gv * (1.0f + vtanh(inner));
+  };
+  at::parallel_for(0, R, std::max<int64_t>(1, 8192 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float *gr = g + r * 2 * I, *ur = gr + I;
+      float* out = mp + r * I;
+      int64_t j = 0;
+      for (; j + 16 <= I; j += 16) {
+        const vf a = activate(loadf(gr + j));  // a product apart from the one by u: act(g) rounded first
+        const vf y = a * loadf(ur + j);
+        std::memcpy(out + j, &y, 64);
+      }
+      for (; j < I; ++j) {
+        float a = activate(vf{} + gr[j])[0];
+        asm("" : "+x"(a));  // rounded before the product, as act(g) * u
+        out[j] = a * ur[j];
+      }
+    }
+  });
+  return m;
+}
+
 // h = x + post_attention(attn @ o^T); out = h + post_feedforward((act(g) * u) @ down^T) with
 // [g, u] = pre_feedforward(h) @ gate_up^T. act: 0 SiLU, 1 GELU (tanh). The post norms are Gemma's
 // sandwich norms (absent for Llama); every norm scales by weight + offset (Gemma: 1). x (B, T,
@@ -1960,33 +2013,7 @@ at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorLi
   maybe_norm(h, post_attention, eps, offset);
   add_into(h, xc);
   const at::Tensor gu = qmatmul(rms_norm_offset(h, pre_feedforward, eps, offset), gate_up, gate_up_formats);  // (R, 2 I)
-  const int64_t I = gu.size(1) / 2;
-  at::Tensor m = at::empty({R, I}, x.options());
-  const float* g = gu.data_ptr<float>();
-  float* mp = m.data_ptr<float>();
-  // act(g) * u, 16 values at a time (vexp / vtanh: a few ulp, as ATen's vectorised ones; the C
-  // library's one value at a time cost ~10 us a layer for SmolLM2, ~40 us for Gemma 3's tanh)
-  auto activate = [act](auto gv) {
-    if (act == 0) return gv / (1.0f + vexp(-gv));
-    const auto inner = 0.7978845608028654f * (gv + 0.044715f * (gv * gv * gv));  // ATen's tanh GELU
-    return 0.5f * gv * (1.0f + vtanh(inner));
-  };
-  for (int64_t r = 0; r < R; ++r) {
-    const float *gr = g + r * 2 * I, *ur = gr + I;
-    float* out = mp + r * I;
-    int64_t j = 0;
-    for (; j + 16 <= I; j += 16) {
-      const vf a = activate(loadf(gr + j));  // a product apart from the one by u: act(g) rounded first
-      const vf y = a * loadf(ur + j);
-      std::memcpy(out + j, &y, 64);
-    }
-    for (; j < I; ++j) {
-      float a = activate(vf{} + gr[j])[0];
-      asm("" : "+x"(a));  // rounded before the product, as act(g) * u
-      out[j] = a * ur[j];
-    }
-  }
-  at::Tensor out = qmatmul(m, down, down_formats);
+  at::Tensor out = qmatmul(gated_activation(gu, act), down, down_formats);
   maybe_norm(out, post_feedforward, eps, offset);
   add_into(out, h);
   return out.view(x.sizes());
@@ -2089,6 +2116,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("decoder_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor? post_attention, "
         "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
         "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
+  m.def("gated_activation(Tensor gate_up, int act) -> Tensor");
   m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, Tensor[] keys, Tensor[] values, Tensor?[] masks, "
         "float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, Tensor?[] k_norms, Tensor[] qkv, "
         "int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, int[] o_counts, Tensor?[] post_attention, "
@@ -2105,4 +2133,5 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("decoder_attention_inputs", decoder_attention_inputs);
   m.impl("decoder_mlp", decoder_mlp);
   m.impl("decoder_layers", decoder_layers);
+  m.impl("gated_activation", gated_activation);
 }

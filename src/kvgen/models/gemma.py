@@ -139,7 +139,11 @@ class GemmaMLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = native.gated_activation(gate_up, self.act_name)
+        if fused is not None:
+            return self.down_proj(fused)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
