@@ -9,6 +9,10 @@ classes only choose which layers to build. Models talk to the container alone:
 * ``cache.key_positions(layer_idx, pos)`` tells which absolute positions those
   returned slots hold (``-1`` for an empty slot), so ``kvgen.masks`` can build the
   attention mask without knowing the cache type.
+
+Where every layer can (``CacheLayer.reserve``), ``cache.reserve(keys, values)`` makes room
+for a step's new keys/values in all layers at once and returns the buffers to write them
+into, so that a fused decode step (:mod:`kvgen.models.decode_stack`) runs every layer in C++.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ class CacheLayer:
         """What ``update(key, value, ...)`` returns, with room made for the new keys/values but without writing them:
         the caller writes them into the last T slots (the fused decode step, :mod:`kvgen.models.decode_stack`).
         Only the shapes and dtypes of ``key``/``value`` (B, H, T, D) are read. ``None`` (the default), changing
-        nothing: the layer stores only through ``update`` (it quantizes, re-rotates or moves what it stores)."""
+        nothing: the layer stores only through ``update`` (it quantizes, re-rotates or moves what it stores).
+        A subclass that changes what ``update`` stores changes ``reserve`` alike."""
         return None
 
     def key_positions(self, cache_position: torch.Tensor) -> torch.Tensor:

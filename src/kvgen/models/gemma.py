@@ -27,7 +27,7 @@ from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_lo
 from kvgen.models.decode_blocks import decode_block
 from kvgen.models.decode_stack import DecodeStack, LayerParts
 from kvgen.models.linear import Linear
-from kvgen.models.llama import LlamaForCausalLM, attention_inputs
+from kvgen.models.llama import LlamaForCausalLM, attention_inputs, gated_mlp
 from kvgen.outputs import CausalLMOutputWithPast
 from kvgen.rope import RotaryEmbedding, apply_rotary
 
@@ -139,12 +139,7 @@ class GemmaMLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        fused = native.gated_activation(gate_up, self.act_name)
-        if fused is not None:
-            return self.down_proj(fused)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return gated_mlp(self, x)
 
 
 class GemmaDecoderLayer(nn.Module):

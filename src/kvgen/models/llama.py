@@ -103,12 +103,17 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
-        gate_up = self.gate_up_proj(x)
-        fused = native.gated_activation(gate_up, self.act_name)
-        if fused is not None:
-            return self.down_proj(fused)
+        return gated_mlp(self, x)
+
+
+def gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``down_proj(act(gate) * up)`` with ``[gate, up] = gate_up_proj(x)`` (Llama family, Gemma)."""
+    gate_up = mlp.gate_up_proj(x)
+    fused = native.gated_activation(gate_up, mlp.act_name)  # one C++ pass where it applies
+    if fused is None:
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        fused = mlp.act(gate) * up
+    return mlp.down_proj(fused)
 
 
 class DecoderLayer(nn.Module):

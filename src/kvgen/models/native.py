@@ -32,6 +32,9 @@ SPARSE_FRACTION = 0.6
 
 _SAMPLED_ROWS = 16
 
+#: activations ``kvgen::gated_activation`` and ``kvgen::decoder_mlp`` compute, by config name
+ACTIVATION_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
+
 
 def _native(x: torch.Tensor, rows: int | None) -> bool:
     return ((rows is None or rows <= MAX_ROWS) and x.is_cpu and x.dtype == torch.float32
@@ -100,10 +103,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 def _packed(layer: torch.nn.Module) -> bool:
     return type(layer) is QuantizedLinear and layer.bias is None
-
-
-#: activations ``kvgen::decoder_mlp`` computes, by config name
-ACTIVATION_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 
 
 def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
