@@ -10,7 +10,8 @@ values written into the reserved slots in between, so it gives the bits the per-
 
 The op's arguments (every layer's weights, norms, formats) are gathered once and kept; each step checks
 that the layers still hold the same modules and tensors (identity of every entry of their
-``_modules``, ``_parameters`` and ``_buffers``: ~30 us) and gathers them again when not.
+``_modules``, ``_parameters`` and ``_buffers``: ~0.1 ms for SmolLM2's 30 layers) and gathers them again
+when not.
 
 Example:
     >>> stack = DecodeStack(llama_layer_parts)                                        # doctest: +SKIP
@@ -64,7 +65,8 @@ class DecodeStack:
 
     ``parts(layer)`` names a layer's modules (:class:`LayerParts`). :meth:`run` returns ``None``, having changed
     nothing, where the fused op does not apply: float weights, more rows, autograd or compile, a cache that
-    stores only through ``update``, a causal mask (a prefill into an empty cache), layers of different shapes.
+    stores only through ``update``, a causal mask (a prefill into an empty cache), layers of different shapes,
+    forward hooks on a layer (they see each layer's call).
     """
 
     def __init__(self, parts: Callable[[torch.nn.Module], LayerParts]):
