@@ -82,7 +82,7 @@ def test_attention_matches_sdpa(b, h, hkv, t, s, d, masked):
 def test_attention_leaves_other_cases_to_torch():
     q, k = torch.randn(1, 2, 1, 64), torch.randn(1, 2, 5, 64)
     with torch.no_grad():
-        assert native.attention(q, k, k, None, True, 0.1) is None  # causal: torch's kernel
+        assert native.attention(q, k, k, None, True, 0.1) is None  # causal over more keys than queries: torch's
         assert native.attention(torch.randn(1, 2, 9, 64), k, k, None, False, 0.1) is None  # 9 rows: a prefill
         assert native.attention(torch.randn(1, 2, 1, 24), k[..., :24], k[..., :24], None, False, 0.1) is None
     assert native.attention(q, k, k, None, False, 0.1) is None  # autograd on: torch's differentiable op
@@ -186,6 +186,20 @@ def test_attention_prefill_masks(t, s, window, offset, threads):
                                            reference(q, k, v, mask, 0.125, softcap).float(), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("h,hkv,d", [(9, 3, 64), (4, 1, 256)])
+def test_causal_prefill_runs_the_op_with_the_causal_mask(h, hkv, d):
+    """``is_causal`` over as many keys as queries (a prefill into an empty cache): the op, not SDPA"""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, n, 100, d, generator=g) for n in (h, hkv, hkv))
+    with torch.no_grad():
+        out = native.attention(q, k, v, None, True, 0.1)
+        assert out is not None
+        expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1, enable_gqa=True)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        assert native.attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), None,
+                                True, 0.1) is None  # a batch of prefills: SDPA
 
 
 def test_attention_row_without_keys_is_zero():
