@@ -250,6 +250,16 @@ def test_every_cache_type_runs_on_quantized_weights(smollm_pair, cache, monkeypa
     assert torch.equal(quantized.generate(**prompt, **kwargs), reference.generate(**prompt, **kwargs))
 
 
+def test_a_static_cache_decodes_eagerly_on_stored_weights(smollm_pair):
+    """Compiling cannot speed up kvgen's C++ products and cost ~10 s a process before the first token: a static
+    cache on stored-precision weights decodes eagerly, with the dynamic cache's tokens."""
+    quantized, _, tokenizer = smollm_pair
+    prompt = tokenizer("The capital of France is", return_tensors="pt")
+    static = quantized.generate(**prompt, max_new_tokens=8, cache_implementation="static")
+    assert getattr(quantized, "_compiled_forward", None) is None
+    assert torch.equal(static, quantized.generate(**prompt, max_new_tokens=8))
+
+
 def check_fused_decode_layers(model, tokenizer, monkeypatch):
     """A decode step on stored weights runs two C++ ops per layer (kvgen::decoder_attention_inputs,
     kvgen::decoder_mlp) in place of its modules. Same kernels, same order; only the activation's

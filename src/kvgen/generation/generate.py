@@ -290,7 +290,9 @@ class GenerationMixin:
                             use_cache=False, logits_to_keep=1).logits
             return uncached
 
-        if not cache.is_compileable or not blocks_compiled():  # (disable_compile: in eager_blocks())
+        # eager where shapes vary, under disable_compile (eager_blocks()), and on stored-precision weights, whose C++
+        # products compiling cannot speed up (run_blocks_eagerly): compiling their static step took ~10 s a process
+        if not cache.is_compileable or not blocks_compiled() or not getattr(self, "compile_decode", True):
             def eager(input_ids, attention_mask, position_ids):
                 t = input_ids.shape[1] - 1
                 return self(input_ids[:, -1:], attention_mask=attention_mask, position_ids=position_ids[:, -1:],
