@@ -138,6 +138,19 @@ def test_a_failed_step_gives_its_slots_back(model, monkeypatch):
     assert cache.get_seq_length() == 3 and all(keys.shape[2] == 3 for keys, _ in cache)
 
 
+def test_a_refused_reservation_leaves_the_cache_as_it_was(model):
+    """A cache filled at batch 1 refuses a batch-2 step in its last layer: the layers before it give back what they
+    had reserved, and the error is update()'s."""
+    cache = kvgen.DynamicCache()
+    with torch.no_grad():
+        model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+        last = cache.layers[-1]
+        last._k, last._v = last._k.repeat(2, 1, 1, 1), last._v.repeat(2, 1, 1, 1)  # batch 2 in the last layer only
+        with pytest.raises(ValueError, match="one cache per batch shape"):
+            model(torch.tensor([[8]]), past_key_values=cache)
+    assert cache.get_seq_length() == 3 and all(keys.shape[2] == 3 for keys, _ in cache)
+
+
 # -- the cache seam ----------------------------------------------------------------------------------
 
 

@@ -140,13 +140,13 @@ class DecodeStack:
         layers = len(plan.windows)
         new = x.new_empty(()).expand(b, plan.kv_heads, t, plan.head_dim)  # the shape of each layer's new keys
         length = cache.get_seq_length()
-        buffers = cache.reserve([new] * layers, [new] * layers)
-        if buffers is None:
-            return None
         try:
+            buffers = cache.reserve([new] * layers, [new] * layers)
+            if buffers is None:
+                return None
             return torch.ops.kvgen.decoder_layers(
                 x, [c for c, _ in tables], [s for _, s in tables], [k for k, _ in buffers], [v for _, v in buffers],
                 layer_masks, plan.scales, plan.softcaps, *plan.args)
         except BaseException:
-            cache.crop(length)  # the reserved slots were not all written
+            cache.crop(length)  # slots reserved but not all written (a layer refusing them, a failing op)
             raise
