@@ -891,7 +891,7 @@ __attribute__((noinline)) void matmul_tiles(const float* x, int64_t ldx, const f
 constexpr float XQ_MAX = 127.0f * 16384.0f;
 
 // the input rows, rounded: levels (R, 3, K) int8, scales (R, K / 32), sums of x~ per 16 values (R, K / 16),
-// sums of each level per 32 values (R, 3, K / 32)
+// sums of each level per 32 values (R, 3, K / 32; only where asked: Q8_0's bias needs them)
 struct RoundedX {
   int64_t K;
   std::vector<int8_t> levels;
@@ -899,9 +899,9 @@ struct RoundedX {
   std::vector<int32_t> level_sums;
 };
 
-RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K) {
+RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K, bool with_level_sums) {
   RoundedX out{K, std::vector<int8_t>(R * 3 * K), std::vector<float>(R * (K / 32)), std::vector<float>(R * (K / 16)),
-               std::vector<int32_t>(R * 3 * (K / 32))};
+               std::vector<int32_t>(with_level_sums ? R * 3 * (K / 32) : 0)};
   const __m512i c64 = _mm512_set1_epi32(64), c127 = _mm512_set1_epi32(127);
   for (int64_t r = 0; r < R; ++r)
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -910,7 +910,7 @@ RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K) {
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
       const float s = amax / XQ_MAX, inv = amax > 0.0f ? XQ_MAX / amax : 0.0f;
       out.scales[r * (K / 32) + b] = s;
-      int32_t* level_sums = out.level_sums.data() + r * 3 * (K / 32) + b;
+      int32_t* level_sums = with_level_sums ? out.level_sums.data() + r * 3 * (K / 32) + b : nullptr;
       for (int h = 0; h < 2; ++h) {
         const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));  // |X| <= XQ_MAX
         const __m512i x3 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, c64), c127), c64);  // -64..63
@@ -924,7 +924,7 @@ RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 2 * K), _mm512_cvtepi32_epi8(x3));
         out.sums[r * (K / 16) + k / 16] = s * (float)_mm512_reduce_add_epi32(X);
         const __m512i x[3] = {x1, x2, x3};
-        for (int l = 0; l < 3; ++l) level_sums[l * (K / 32)] += _mm512_reduce_add_epi32(x[l]);
+        for (int l = 0; level_sums && l < 3; ++l) level_sums[l * (K / 32)] += _mm512_reduce_add_epi32(x[l]);
       }
     }
   return out;
@@ -1256,18 +1256,20 @@ at::Tensor qmatmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef forma
   std::vector<Segment> segments;
   int64_t N = 0;
   bool rounded = false;  // some segment takes integer dot products: x rounded once for all of them
+  bool biased = false;  // and some of those adds a bias to its values (Q8_0): sums of each level needed
   for (size_t i = 0; i < ws.size(); ++i) {
     dispatch(formats[i], [&](auto t) {
       using T = decltype(t);
       check_weight(ws[i], K, T::QK, T::BYTES, has_row_scale<T>(), tile_rows<T>());
       rounded |= has_dot<T>();
+      biased |= requires { T::BIAS; };
       segments.push_back({formats[i], N, ws[i].size(0), ws[i].stride(0), ws[i].data_ptr<uint8_t>(),
                           has_dot<T>() ? std::vector<float>() : group_sums<T>(xp, ldx, R, K)});
     });
     N += ws[i].size(0);
   }
 #if defined(KVGEN_DOT8)
-  const RoundedX rx = rounded ? round_x(xp, ldx, R, K) : RoundedX{};
+  const RoundedX rx = rounded ? round_x(xp, ldx, R, K, biased) : RoundedX{};
 #else
   const RoundedX rx;
 #endif
