@@ -9,6 +9,8 @@ logits within 1e-3 over a prefill and 50 decode steps, and the same greedy text.
 from __future__ import annotations
 
 import copy
+import mmap
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -19,8 +21,9 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import kvgen
 from kvgen.kernels import integer_dot_formats, kernels_available, unavailable_reason
-from kvgen.models.packed import PackedWeight, dequantize_on_device, tile_rows
+from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+from kvgen.models.weight_arena import WeightArena
 from kvgen.quantization import TorchAoConfig, quantize_int4, quantize_int8
 
 # skipped only where there is no compiler; a compiler error in kvgen's own source fails every test here
@@ -229,6 +232,51 @@ def test_gguf_loads_in_its_stored_types_by_default(smollm_pair):
     from kvgen.cache.fingerprint import model_fingerprint
 
     assert model_fingerprint(quantized) != model_fingerprint(reference)
+
+
+def test_tiled_weights_sit_in_one_arena_in_huge_pages(smollm_pair):
+    """Every tiled segment of a loaded GGUF model lies in the one mapping of its WeightArena, back to back
+    in load order (64-byte aligned), advised for transparent huge pages where Linux has them."""
+    quantized = smollm_pair[0]
+    tiled = [data for module in quantized.modules() if isinstance(module, (QuantizedLinear, QuantizedEmbedding))
+             for format, data in module.weight.segments if format in TILED]
+    tiled = list({t.data_ptr(): t for t in tiled}.values())  # the tied embedding / lm_head once
+    storages = {t.untyped_storage().data_ptr() for t in tiled}
+    assert len(tiled) > 90 and len(storages) == 1  # 30 layers x (q, k, v, o, gate, up, down) + embedding
+    starts = sorted(t.data_ptr() for t in tiled)
+    assert all(start % 64 == 0 for start in starts)
+    span = max(t.data_ptr() + t.nbytes for t in tiled) - starts[0]
+    assert span <= sum(-(-t.nbytes // 64) * 64 for t in tiled)  # no gaps beyond the alignment
+    if hasattr(mmap, "MADV_HUGEPAGE") and Path("/proc/self/smaps").exists():
+        flags = _vm_flags(starts[0])
+        assert "hg" in flags, f"the arena's mapping was not advised for huge pages: VmFlags {flags}"
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(a, 16) for a in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_weight_arena_hands_out_aligned_slices_then_ordinary_tensors():
+    arena = WeightArena([100, 64])
+    like = torch.zeros(100, dtype=torch.uint8)
+    a, b = arena.empty_like(like), arena.empty_like(torch.zeros(64, dtype=torch.uint8))
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one mapping
+    assert b.data_ptr() - a.data_ptr() == 128 and a.data_ptr() % (2 << 20) == 0  # aligned; starts on a huge page
+    a.fill_(1), b.fill_(2)
+    assert int(a.sum()) == 100 and int(b.sum()) == 128  # no overlap
+    c = arena.empty_like(like)  # past its size: an ordinary allocation, not an overlapping slice
+    assert c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr() and c.shape == like.shape
+    empty = WeightArena([])
+    assert empty.empty_like(like).shape == like.shape
 
 
 def test_smollm2_quantized_matches_dequantized(smollm_pair):

@@ -252,9 +252,10 @@ def _pack_16bit_weights(model: nn.Module, state_dict: dict) -> None:
 def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device) -> None:
     """Put each :class:`PackedWeight` of ``state_dict`` in place: its ``nn.Linear`` / ``nn.Embedding``
     becomes a quantized layer (layers tied to it too), and the entry leaves ``state_dict``."""
-    from kvgen.models.packed import PackedWeight, tile_rows
+    from kvgen.models.packed import PackedWeight, tile_rows, tiled_sizes
     from kvgen.models.decode_blocks import run_blocks_eagerly
     from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+    from kvgen.models.weight_arena import WeightArena
 
     packed = {name: w for name, w in state_dict.items() if isinstance(w, PackedWeight)}
     if not packed:
@@ -266,10 +267,11 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             sharing.setdefault(id(module.weight), []).append(name)
+    arena = WeightArena([size for weight in packed.values() for size in tiled_sizes(weight)])  # in 2 MB pages
     for name, weight in packed.items():
         module_name = name.removesuffix(".weight")
         original = model.get_submodule(module_name)
-        weight = tile_rows(weight)  # Q4_0 / Q4_1 / Q5_0 in tiles of 16 rows for the one-row product
+        weight = tile_rows(weight, arena.empty_like)  # 4-6-bit formats in tiles of 16 rows for the one-row product
         for holder in sharing[id(original.weight)]:
             module = model.get_submodule(holder)
             if isinstance(module, nn.Embedding):

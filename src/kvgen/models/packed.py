@@ -157,7 +157,17 @@ def dequantize_on_device(format: int, data: torch.Tensor, in_features: int) -> t
     return (q * scale_min[..., :1] + scale_min[..., 1:]).view(rows, in_features)
 
 
-def tile_rows(weight: PackedWeight) -> PackedWeight:
+def _tiles(format: int, data: torch.Tensor) -> bool:
+    """Whether :func:`tile_rows` puts this segment in tiles."""
+    return format in TILED_HEADS and data.shape[0] % 16 == 0 and (format != 8 or 2008 in integer_dot_formats())
+
+
+def tiled_sizes(weight: PackedWeight) -> list[int]:
+    """The bytes of each segment that :func:`tile_rows` copies into tiles (for a :class:`WeightArena`)."""
+    return [data.nbytes for format, data in weight.segments if _tiles(format, data)]
+
+
+def tile_rows(weight: PackedWeight, empty_like=torch.empty_like) -> PackedWeight:
     """``weight`` with its Q4_0, Q4_1, Q5_0, Q4_K and Q6_K segments (of a multiple of 16 rows) in tiles
     of 16 rows (format 2000 + the GGML type); Q8_0 too where its tiles take integer dot products
     (:func:`~kvgen.kernels.integer_dot_formats`: 16 rows a lane each, as the 4-6-bit tiles).
@@ -166,7 +176,8 @@ def tile_rows(weight: PackedWeight) -> PackedWeight:
     Q5_0's 32-bit mask of 5th bits as two 2-byte fields or Q4_K's dmin; Q6_K has none), then
     byte j of each row's remaining block bytes for every j: the bytes of 16 GGUF blocks in another
     order, so that a one-row product decodes 16 rows' values per instruction (1.3-1.8x faster). The values,
-    ``dequantize`` and embedding lookups are unchanged. File-mapped sources are released once
+    ``dequantize`` and embedding lookups are unchanged. The tiles go where ``empty_like`` puts them
+    (a :class:`~kvgen.models.weight_arena.WeightArena`'s); file-mapped sources are released once
     copied (:func:`release_file_pages`).
 
     Example:
@@ -178,10 +189,10 @@ def tile_rows(weight: PackedWeight) -> PackedWeight:
     """
     segments, copied = [], []
     for format, data in weight.segments:
-        if format in TILED_HEADS and data.shape[0] % 16 == 0 and (format != 8 or 2008 in integer_dot_formats()):
+        if _tiles(format, data):
             head, size = TILED_HEADS[format], FORMATS[format][2]
             tiles, blocks = data.shape[0] // 16, data.shape[1] // size
-            source, out = data.reshape(tiles, 16, blocks, size), torch.empty_like(data)
+            source, out = data.reshape(tiles, 16, blocks, size), empty_like(data)
             target = out.view(tiles, blocks, 16 * size)
             for t0 in range(0, tiles, 64):  # 64 tiles at a time: no temporaries the size of the weight
                 t = source[t0:t0 + 64].transpose(1, 2)  # (tiles, blocks, 16 rows, block bytes)
