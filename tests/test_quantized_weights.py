@@ -185,8 +185,21 @@ def test_quantized_layers_reject_bad_input():
         PackedWeight([(3, torch.zeros(2, 30, dtype=torch.uint8))], in_features=64)
     with pytest.raises(RuntimeError, match="input features"):
         torch.ops.kvgen.qmatmul(torch.randn(1, 32), [packed.segments[0][1]], [1008])
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="token id 8 is outside the embedding table's 8 rows"):
         QuantizedEmbedding(packed)(torch.tensor([8]))
+    with pytest.raises(IndexError, match="token id -1 is outside"):
+        QuantizedEmbedding(packed)(torch.tensor([[0, -1]]))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_embedding_rows_of_tiled_and_untiled_tables(qtype):
+    raw = torch.from_numpy(random_raw(qtype, 48, 256))
+    rows_weight = PackedWeight([(int(qtype), raw)], in_features=256)
+    for weight in (rows_weight, tile_rows(rows_weight)):
+        ids = torch.tensor([[0, 15, 16, 47], [5, 5, 33, 31]])  # first/last rows of tiles, repeats
+        rows = QuantizedEmbedding(weight)(ids)
+        assert rows.shape == (2, 4, 256)
+        assert torch.equal(rows, weight.dequantize()[ids])
 
 
 # -- whole models ------------------------------------------------------------------------------------------

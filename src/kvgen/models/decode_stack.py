@@ -118,11 +118,13 @@ class DecodeStack:
         return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, [p.attn.scaling for p in parts],
                      [getattr(p.attn, "softcap", None) or 0.0 for p in parts], args)
 
-    def run(self, layers: torch.nn.ModuleList, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]], masks, cache) -> torch.Tensor | None:
+    def run(self, layers: torch.nn.ModuleList, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
+            masks, cache) -> torch.Tensor | None:
         """The hidden states after every layer, or ``None`` (nothing done) where the fused op does not apply.
 
-        ``layers``: the decoder layers; ``x``: (B, T, hidden); ``tables``: each layer's rotary ``(cos, sin)``, (B, T, D) each; ``masks``: the
-        forward pass's :class:`~kvgen.models.base.LayerMasks`; ``cache``: the cache to extend.
+        ``layers``: the decoder layers; ``x``: (B, T, hidden); ``tables``: each layer's rotary ``(cos, sin)``,
+        (B, T, D) each; ``masks``: the forward pass's :class:`~kvgen.models.base.LayerMasks`; ``cache``: the cache
+        to extend.
         """
         b, t = x.shape[0], x.shape[1]
         if cache is None or not _native(x, b * t) or tables[0][0].dtype != torch.float32 or \

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from kvgen.kernels import integer_dot_formats
 from kvgen.models.linear import matmul
-from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device
+from kvgen.models.packed import PackedWeight, dequantize_on_device
 
 #: most rows the one-pass product takes; more are dequantized and multiplied by the float32 matmul.
 #: Over SmolLM2's and Gemma 3's layers (AMD EPYC Zen 4, 2 threads) the one-pass product was faster up to
@@ -142,15 +142,8 @@ class QuantizedEmbedding(_Packed):
         flat = ids.reshape(-1)
         if ids.device.type != "cpu":
             out = dequantize_on_device(format, data.index_select(0, flat), self.embedding_dim)
-        elif format in TILED:  # rows in tiles: dequantize each id's tile, keep its row
-            rows = TILED[format]
-            tiles = data.view(-1, rows * data.shape[1]).index_select(0, flat // rows)  # (ids, rows * row bytes)
-            out = torch.empty(flat.shape[0] * rows, self.embedding_dim)
-            torch.ops.kvgen.dequantize_(out, tiles.view(-1, data.shape[1]), format)
-            out = out[torch.arange(flat.shape[0]) * rows + flat % rows]  # (ids, dim)
-        else:
-            out = torch.empty(flat.shape[0], self.embedding_dim)
-            torch.ops.kvgen.dequantize_(out, data.index_select(0, flat), format)
+        else:  # one op: the rows (a tiled row with its tile), ids checked against the table
+            out = torch.ops.kvgen.embedding(data, flat, self.embedding_dim, format)
         return out.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
