@@ -92,6 +92,39 @@ def test_the_stack_gives_the_per_layer_bits(model, cache_kind, monkeypatch):
         assert min(keys.shape[2] for keys, _ in caches[0]) < 9 + 12  # a sliding layer dropped what it may
 
 
+def prefill_with(model, ids, padding, fused: bool, monkeypatch):
+    """Logits and layer 1's cached keys of a prefill, the fused prefill ops on or off; how many calls they took."""
+    from kvgen.models import native
+
+    calls = []
+    for name in ("decoder_attention_inputs", "decoder_mlp"):
+        op = getattr(native, name)
+
+        def spy(x, *args, op=op, **kwargs):
+            out = op(x, *args, **kwargs) if fused else None
+            calls.append(out is not None)
+            return out
+
+        monkeypatch.setattr(native, name, spy)
+    cache = kvgen.DynamicCache()
+    with torch.no_grad():
+        logits = model(ids, attention_mask=padding, past_key_values=cache).logits
+    monkeypatch.undo()
+    return logits, cache.layers[1].keys.clone(), sum(calls)
+
+
+def test_a_prefill_through_the_fused_ops_gives_the_module_bits(model, monkeypatch):
+    """A prefill of more rows than a decode step (2 x 24: int8 rows take kvgen::qmatmul up to 64 rows, as the
+    fused ops do) runs the fused attention inputs and MLP half of every layer, with the modules' bits."""
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    padding = torch.ones_like(ids)
+    padding[1, :5] = 0
+    fused = prefill_with(model, ids, padding, True, monkeypatch)
+    modules = prefill_with(model, ids, padding, False, monkeypatch)
+    assert fused[2] == 2 * model.config.num_hidden_layers and modules[2] == 0
+    assert torch.equal(fused[0], modules[0]) and torch.equal(fused[1], modules[1])
+
+
 def test_a_replaced_weight_is_read_by_the_next_step(model, monkeypatch):
     """The stack keeps its gathered arguments only while the layers hold the same tensors."""
     ids = torch.tensor([[5, 6, 7]])

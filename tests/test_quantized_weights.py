@@ -357,6 +357,42 @@ def check_fused_decode_layers(model, tokenizer, monkeypatch):
             assert used == {("decoder_attention_inputs", True), ("decoder_mlp", True)}  # the last step ran fused
 
 
+def check_fused_prefill(model, monkeypatch) -> None:
+    """A 100-token prefill runs the fused attention inputs and MLP halves where every product they hold takes
+    kvgen::qmatmul at that many rows (with AVX-512 VNNI: the tiled GGUF formats but Q6_K; elsewhere none),
+    with the modules' bits."""
+    from kvgen.models import native
+    from kvgen.models.quantized_linear import any_rows_formats
+
+    one_pass = lambda *linears: all(any_rows_formats().issuperset(p.formats) for p in linears)  # noqa: E731
+    expected = sum(one_pass(layer.self_attn.qkv_proj) + one_pass(layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                                                 layer.mlp.down_proj) for layer in model.model.layers)
+    ids = torch.randint(100, 20000, (1, 100), generator=torch.Generator().manual_seed(3))
+    results = []
+    for fused in (True, False):
+        calls = []
+        with monkeypatch.context() as m:
+            for name in ("decoder_attention_inputs", "decoder_mlp"):
+                def spy(*args, _op=getattr(native, name), _fused=fused, **kwargs):
+                    out = _op(*args, **kwargs) if _fused else None
+                    calls.append(out is not None)
+                    return out
+                m.setattr(native, name, spy)
+            cache = kvgen.DynamicCache()
+            with torch.no_grad():
+                logits = model(ids, past_key_values=cache).logits
+        results.append((logits, cache.layers[-1].keys, sum(calls)))
+    assert results[0][2] == expected and results[1][2] == 0 and (expected > 0 or not integer_dot_formats())
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_fused_prefill_gives_the_module_bits(smollm_pair, gemma3_gguf, monkeypatch):
+    check_fused_prefill(smollm_pair[0], monkeypatch)  # with VNNI: all 30 layers' two halves
+    gemma3 = kvgen.AutoModelForCausalLM.from_pretrained(gemma3_gguf)
+    assert 0 < sum(layer.mlp.down_proj.formats == [2014] for layer in gemma3.model.layers) < 18  # some Q6_K
+    check_fused_prefill(gemma3, monkeypatch)
+
+
 def test_fused_decode_layers_compute_what_the_modules_compute(smollm_pair, monkeypatch):
     quantized, _, tokenizer = smollm_pair
     check_fused_decode_layers(quantized, tokenizer, monkeypatch)

@@ -1951,16 +1951,18 @@ std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::
   const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
   const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
   const int64_t runs = D / 16, half = runs / 2;
-  std::vector<float> normed(D);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < T; ++t) {
-      const float* row = src + (b * T + t) * qkv.size(1);
-      const float *cr = cp + (b * T + t) * D, *sr = sp + (b * T + t) * D;
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  // rows in parallel (a prefill's; a decode step's few rows stay on this thread)
+  at::parallel_for(0, R, std::max<int64_t>(1, 4096 / ((H + 2 * Hkv) * D)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> normed(D);
+    for (int64_t bt = r0; bt < r1; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      const float *row = src + bt * qkv.size(1), *cr = cp + bt * D, *sr = sp + bt * D;
       for (int64_t h = 0; h < H + 2 * Hkv; ++h) {
         const float* in = row + h * D;
-        float* out = h < H ? q.data_ptr<float>() + ((b * H + h) * T + t) * D
-                   : h < H + Hkv ? k.data_ptr<float>() + ((b * Hkv + h - H) * T + t) * D
-                                 : v.data_ptr<float>() + ((b * Hkv + h - H - Hkv) * T + t) * D;
+        float* out = h < H ? qp + ((b * H + h) * T + t) * D
+                   : h < H + Hkv ? kp + ((b * Hkv + h - H) * T + t) * D
+                                 : vp + ((b * Hkv + h - H - Hkv) * T + t) * D;
         if (h >= H + Hkv) {
           std::memcpy(out, in, D * sizeof(float));
           continue;
@@ -1978,6 +1980,7 @@ std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::
         }
       }
     }
+  });
   return {q, k, v};
 }
 

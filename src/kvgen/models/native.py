@@ -138,19 +138,20 @@ def mlp_fuses(o_proj: torch.nn.Module, pre_norm: torch.nn.Module, mlp: torch.nn.
 
 
 # The two ops below run once per layer and decode step (where kvgen.models.decode_stack does not run the
-# whole stack): their wrappers read each attribute once.
+# whole stack) or prefill: their wrappers read each attribute once.
 
 def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch.nn.Module, cos: torch.Tensor,
                              sin: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.nn.Module | None = None,
                              k_norm: torch.nn.Module | None = None) -> list[torch.Tensor] | None:
-    """``q, k, v`` of a decode step as one C++ op (``kvgen::decoder_attention_inputs``): ``norm(x)``,
+    """``q, k, v`` of a decode step or prefill as one C++ op (``kvgen::decoder_attention_inputs``): ``norm(x)``,
     the fused q/k/v product ``proj`` on stored-precision weights, the optional per-head norms, rotary
     on every query and key channel. Norms are RMSNorm modules with ``weight``, ``eps`` and ``offset``
     (they scale by ``weight + offset``; one offset for all of a model's norms). None
-    where it does not apply (more than ``MAX_ROWS`` rows, float weights, biases, partial rotary):
-    then the caller runs its modules."""
-    if not (cos.dtype == torch.float32 and _native(x, x.shape[0] * x.shape[1])
-            and attention_inputs_fuse(norm, proj, cos.shape[-1], heads, kv_heads)):
+    where it does not apply (float weights, biases, partial rotary, a product that this many rows would
+    dequantize first): then the caller runs its modules, which compute the same."""
+    if not (cos.dtype == torch.float32 and _native(x, None)
+            and attention_inputs_fuse(norm, proj, cos.shape[-1], heads, kv_heads)
+            and proj.takes_qmatmul(x.shape[0] * x.shape[1])):
         return None
     return torch.ops.kvgen.decoder_attention_inputs(
         x, norm.weight, norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads, _weight(q_norm),
@@ -160,11 +161,13 @@ def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch
 def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pre_norm: torch.nn.Module,
                 mlp: torch.nn.Module, post_attention: torch.nn.Module | None = None,
                 post_feedforward: torch.nn.Module | None = None) -> torch.Tensor | None:
-    """``h = x + post_attention(o_proj(attn)); h + post_feedforward(mlp(pre_norm(h)))`` of a decode step
-    as one C++ op (``kvgen::decoder_mlp``: a gated MLP with ``mlp.act_name`` in
+    """``h = x + post_attention(o_proj(attn)); h + post_feedforward(mlp(pre_norm(h)))`` of a decode step or
+    prefill as one C++ op (``kvgen::decoder_mlp``: a gated MLP with ``mlp.act_name`` in
     :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
-    for Llama). None where it does not apply."""
-    if not (_native(x, x.shape[0] * x.shape[1]) and mlp_fuses(o_proj, pre_norm, mlp)):
+    for Llama). None where it does not apply (as :func:`decoder_attention_inputs`)."""
+    rows = x.shape[0] * x.shape[1]
+    if not (_native(x, None) and mlp_fuses(o_proj, pre_norm, mlp)
+            and all(p.takes_qmatmul(rows) for p in (o_proj, mlp.gate_up_proj, mlp.down_proj))):
         return None
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
     return torch.ops.kvgen.decoder_mlp(

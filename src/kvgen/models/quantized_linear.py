@@ -98,6 +98,10 @@ class QuantizedLinear(_Packed):
         self.out_features = weight.out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    def takes_qmatmul(self, rows: int) -> bool:
+        """Whether a CPU product of ``rows`` rows is the one-pass ``kvgen::qmatmul`` (else dequantize + matmul)."""
+        return rows <= QMATMUL_ROWS or any_rows_formats().issuperset(self.formats)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # GPU: decoded by torch operations (int8, int4, F16, BF16), then x's matmul
             bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -106,7 +110,7 @@ class QuantizedLinear(_Packed):
         x2 = x.reshape(rows, self.in_features)  # (rows, in)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        if rows <= QMATMUL_ROWS or any_rows_formats().issuperset(self.formats):
+        if self.takes_qmatmul(rows):
             y = torch.ops.kvgen.qmatmul(x2, self._segments, self.formats)  # (rows, out)
             if self.bias is not None:
                 y = y + self.bias
