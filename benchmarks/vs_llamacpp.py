@@ -10,7 +10,8 @@ llama-bench alternate in fresh processes, ``--rounds`` times:
 
 * prefill: 512 prompt tokens (llama-bench ``-p 512 -n 0``);
 * decode: 128 tokens after a 512-token prompt, batch 1 (llama-bench ``-p 0 -n 128 -d 512``);
-  kvgen also at batch 4;
+  kvgen also at batch 4. Both feed random tokens and compute every step's logits without sampling
+  (llama-bench's generation test draws its tokens with ``rand()``);
 * peak RSS of each process (``wait4``).
 
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
@@ -110,12 +111,14 @@ def kvgen_worker(model: str, threads: int) -> dict:
         for batch in BATCHES:
             cache = DynamicCache()
             m(ids.expand(batch, -1), past_key_values=cache, logits_to_keep=1)
-            token = torch.full((batch, 1), 42)
-            for _ in range(3):
-                m(token, past_key_values=cache)  # warm-up at this batch size
+            # as llama-bench's generation test: random tokens fed one step at a time, the logits computed
+            # but not sampled from (a greedy pick over Gemma 3's 262k logits is ~0.3 ms of a ~11 ms step)
+            tokens = torch.randint(100, min(vocab, 30000), (batch, NEW + 3), generator=torch.Generator().manual_seed(1))
+            for i in range(3):
+                m(tokens[:, i:i + 1], past_key_values=cache)  # warm-up at this batch size
             start = time.perf_counter()
-            for _ in range(NEW):
-                token = m(token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            for i in range(3, NEW + 3):
+                m(tokens[:, i:i + 1], past_key_values=cache)
             seconds = (time.perf_counter() - start) / NEW
             result["decode_tok_s"][str(batch)] = batch / seconds
             kv = cache.nbytes() * (PROMPT + 3 + NEW / 2) / cache.get_seq_length()  # mean context of the steps
