@@ -232,3 +232,20 @@ def test_attention_dispatch_by_density():
         assert native.attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1),
                                 static, False, 0.1) is None
         assert native.allowed_fraction(static) == pytest.approx(0.129, abs=0.01)
+
+
+def test_the_density_of_a_mask_is_estimated_once_for_all_layers(monkeypatch):
+    """Every layer of a pass gets the same mask object: its density is estimated for the first only; a new
+    mask (the next pass), even one with the old one's address, is estimated again."""
+    estimates, real = [], native.allowed_fraction
+    monkeypatch.setattr(native, "allowed_fraction", lambda m: estimates.append(1) or real(m))
+    q, k = torch.randn(1, 2, 64, 64), torch.randn(1, 2, 256, 64)
+    pos, key = torch.arange(64)[:, None], torch.arange(256)[None, :]
+    sparse, dense = (key <= pos)[None, None], (key <= pos + 192)[None, None]
+    with torch.no_grad():
+        outs = [native.attention(q, k, k, sparse, False, 0.1) for _ in range(3)]
+        assert len(estimates) == 1 and all(out is not None for out in outs)
+        assert native.attention(q, k, k, dense, False, 0.1) is None and len(estimates) == 2
+        del sparse
+        again = (key <= pos)[None, None]  # may reuse the freed mask's memory and id
+        assert native.attention(q, k, k, again, False, 0.1) is not None and len(estimates) == 3
