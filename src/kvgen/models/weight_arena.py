@@ -1,10 +1,9 @@
 """``WeightArena``: one anonymous mapping that a model's packed weights are placed in, in 2 MB pages.
 
 A decode step streams every weight once: 90-250 MB for the packaged models, read in 4 kB pages
-when each tensor is its own allocation, so every 4 kB costs a TLB miss and a page walk, and the
-streams push the page-table entries of everything else (Python's and torch's working set) out
-of the caches. Placed in one private anonymous mapping that Linux backs with transparent huge
-pages (``madvise(MADV_HUGEPAGE)``, which this system's ``madvise`` mode of THP asks for), the
+when each tensor is its own allocation, so every 4 kB costs a TLB miss and a page walk. Placed in
+one private anonymous mapping that Linux backs with transparent huge pages (``madvise(MADV_HUGEPAGE)``:
+THP in its ``madvise`` mode, as here, backs only what asks; a shared mapping would not get them), the
 weights take one TLB entry per 2 MB. Measured on an AMD EPYC (Zen 4, 2 threads), one process
 alternating 32-step blocks of two copies of a model, with and without the arena, 3 runs each:
 decode steps 5-8% shorter for SmolLM2 Q4_1 and 2-8% for Gemma 3 Q4_K_M. Elsewhere (no THP, not
