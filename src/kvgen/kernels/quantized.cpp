@@ -1315,7 +1315,8 @@ at::Tensor embedding(const at::Tensor& w, const at::Tensor& ids, int64_t K, int6
   const int64_t n = idc.size(0), N = w.size(0);
   const int64_t* ip = idc.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < N, "kvgen: token id ", ip[i], " is outside the embedding table's ", N, " rows");
+    TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < N, "kvgen: token id ", ip[i], " is outside the embedding table's ", N,
+                      " rows");
   at::Tensor out = at::empty({n, K}, w.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   dispatch(format, [&](auto t) {
@@ -1572,15 +1573,19 @@ inline void sum4(const vn* x, float* out) {
 }
 
 // for a few query rows: sc[r, s] = sum_d q[r, d] * k[s, d] for RR rows (q row-major, R x D) and
-// the 16 keys of a tile (sc row-major, the keys in lanes), as dot products along D, 4 keys at a time
+// the 16 keys of a tile (sc row-major, the keys in lanes), as dot products along D, 4 keys at a time.
+// ahead (or null): a later tile's keys (same stride), each vector of them prefetched into L2 as the
+// same vector of this tile is loaded
 template <int RR>
-__attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const float* k, int64_t ks, float* sc) {
+__attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const float* k, int64_t ks, float* sc,
+                                               const float* ahead) {
   for (int64_t s0 = 0; s0 < TILE; s0 += 4) {
     vn acc[RR][4] = {};
     const float* kk = k + s0 * ks;
     for (int64_t d = 0; d < D; d += LN) {
       vn x[4];
       for (int i = 0; i < 4; ++i) {
+        if (ahead) __builtin_prefetch(ahead + (s0 + i) * ks + d, 0, 2);
         x[i] = vload<vn>(kk + i * ks + d);
 #if defined(__AVX__)  // (an SSE register holds half a vn)
         asm("" : "+x"(x[i]));  // held in a register: GCC would load each key vector again for every row
@@ -1604,16 +1609,18 @@ __attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const 
 
 // acc[i] = acc[i] * alpha[i] + sum_s p[s, i] * v[s] for RR consecutive query rows (acc rows of D
 // floats, value s at v + s * vs, p[s, i] at p + s * ps + i * pi), 16 columns at a time
-// (32 columns a pass where D allows on AVX-512: each broadcast weight then serves two multiply-adds)
+// (32 columns a pass where D allows on AVX-512: each broadcast weight then serves two multiply-adds).
+// ahead (or null): a later tile's values, prefetched into L2 vector by vector as tile_scores_dot does
 template <int RR, int W = DC>
 void tile_values_by(float* acc, int64_t D, const float* p, int64_t ps, int64_t pi, const float* alpha,
-                    const float* v, int64_t vs) {
+                    const float* v, int64_t vs, const float* ahead) {
   for (int64_t d = 0; d < D; d += W * LN) {
     vn x[RR][W];
     for (int i = 0; i < RR; ++i)
       for (int c = 0; c < W; ++c) x[i][c] = vload<vn>(acc + i * D + d + c * LN) * alpha[i];
     for (int64_t s = 0; s < TILE; ++s) {
       vn y[W];
+      for (int c = 0; ahead && c < W; ++c) __builtin_prefetch(ahead + s * vs + d + c * LN, 0, 2);
       for (int c = 0; c < W; ++c) y[c] = vload<vn>(v + s * vs + d + c * LN);
       for (int i = 0; i < RR; ++i) {
         const float w = p[s * ps + i * pi];
@@ -1627,11 +1634,11 @@ void tile_values_by(float* acc, int64_t D, const float* p, int64_t ps, int64_t p
 
 template <int RR>
 __attribute__((noinline)) void tile_values(float* acc, int64_t D, const float* p, int64_t ps, int64_t pi,
-                                           const float* alpha, const float* v, int64_t vs) {
+                                           const float* alpha, const float* v, int64_t vs, const float* ahead) {
 #if defined(__AVX512F__)
-  if (D % 32 == 0) return tile_values_by<RR, 2>(acc, D, p, ps, pi, alpha, v, vs);
+  if (D % 32 == 0) return tile_values_by<RR, 2>(acc, D, p, ps, pi, alpha, v, vs, ahead);
 #endif
-  tile_values_by<RR>(acc, D, p, ps, pi, alpha, v, vs);
+  tile_values_by<RR>(acc, D, p, ps, pi, alpha, v, vs, ahead);
 }
 
 // the query rows of a row block: R = n * G, padded to Rp lanes
@@ -1669,9 +1676,19 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
         __builtin_prefetch(vb_ + s * a.v2 + d);
       }
   };
-  if (c0 < c1) prefetch(c0);
+  // few rows: the tile AHEAD tiles on is prefetched into L2 while this one is computed, a vector per
+  // vector loaded (one burst of a whole tile into L1 per tile, as for many rows, left the reads and
+  // the arithmetic of a decode step's attention one after the other: Zen 4, keys and values from
+  // memory, 2 threads, 1.25-1.4x faster, 1-3 tiles ahead alike); many rows: the next tile in a burst
+  constexpr int64_t AHEAD = 2;
+  for (int64_t c = c0; c < std::min(c1, c0 + (dots ? AHEAD : 1)); ++c) prefetch(c);
   for (int64_t c = c0; c < c1; ++c) {
-    if (c + 1 < c1) prefetch(c + 1);
+    if (!dots && c + 1 < c1) prefetch(c + 1);
+    const float *kahead = nullptr, *vahead = nullptr;  // a whole tile AHEAD on (a cut last tile is not)
+    if (dots && c + AHEAD < c1 && (int64_t)(blk.tiles[c + AHEAD] >> 1) * TILE + TILE <= S) {
+      const int64_t sa = (int64_t)(blk.tiles[c + AHEAD] >> 1) * TILE;
+      kahead = kb + sa * a.k2, vahead = vb_ + sa * a.v2;
+    }
     const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
     const float *kt = kb + s0 * a.k2, *vt = vb_ + s0 * a.v2;
     int64_t ks = a.k2, vs = a.v2;
@@ -1687,11 +1704,11 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
     int64_t r = 0;
     if (dots) {
 #if defined(__AVX512F__)  // 16 accumulators: each key vector loaded serves 4 rows (32 registers)
-      for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, sc + r * TILE);
-      if (R - r == 3) tile_scores_dot<3>(qt + r * D, D, kt, ks, sc + r * TILE), r += 3;
+      for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, sc + r * TILE, r ? nullptr : kahead);
+      if (R - r == 3) tile_scores_dot<3>(qt + r * D, D, kt, ks, sc + r * TILE, r ? nullptr : kahead), r += 3;
 #endif
-      for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, sc + r * TILE);
-      if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, sc + r * TILE);
+      for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, sc + r * TILE, r ? nullptr : kahead);
+      if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, sc + r * TILE, r ? nullptr : kahead);
     } else {
       for (; r + 3 * LN <= Rp; r += 3 * LN) tile_scores<3, 4>(qt + r, Rp, kt, ks, D, sc + r);
       if (r + 2 * LN <= Rp) tile_scores<2, 4>(qt + r, Rp, kt, ks, D, sc + r);
@@ -1735,14 +1752,15 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
       vstore(alpha + r, al);
     }
     for (r = 0; r + 6 <= R; r += 6)
-      tile_values<6>(acc + r * D, D, sc + r * row_stride, key_stride, row_stride, alpha + r, vt, vs);
-    const float* pr = sc + r * row_stride;
+      tile_values<6>(acc + r * D, D, sc + r * row_stride, key_stride, row_stride, alpha + r, vt, vs,
+                     r ? nullptr : vahead);
+    const float *pr = sc + r * row_stride, *va = r ? nullptr : vahead;
     switch (R - r) {
-      case 1: tile_values<1>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
-      case 2: tile_values<2>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
-      case 3: tile_values<3>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
-      case 4: tile_values<4>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
-      case 5: tile_values<5>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs); break;
+      case 1: tile_values<1>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
+      case 2: tile_values<2>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
+      case 3: tile_values<3>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
+      case 4: tile_values<4>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
+      case 5: tile_values<5>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
       default: break;
     }
   }
