@@ -97,19 +97,17 @@ def prefill_with(model, ids, padding, fused: bool, monkeypatch):
     from kvgen.models import native
 
     calls = []
-    for name in ("decoder_attention_inputs", "decoder_mlp"):
-        op = getattr(native, name)
+    with monkeypatch.context() as m:
+        for name in ("decoder_attention_inputs", "decoder_mlp"):
+            def spy(x, *args, op=getattr(native, name), **kwargs):
+                out = op(x, *args, **kwargs) if fused else None
+                calls.append(out is not None)
+                return out
 
-        def spy(x, *args, op=op, **kwargs):
-            out = op(x, *args, **kwargs) if fused else None
-            calls.append(out is not None)
-            return out
-
-        monkeypatch.setattr(native, name, spy)
-    cache = kvgen.DynamicCache()
-    with torch.no_grad():
-        logits = model(ids, attention_mask=padding, past_key_values=cache).logits
-    monkeypatch.undo()
+            m.setattr(native, name, spy)
+        cache = kvgen.DynamicCache()
+        with torch.no_grad():
+            logits = model(ids, attention_mask=padding, past_key_values=cache).logits
     return logits, cache.layers[1].keys.clone(), sum(calls)
 
 
