@@ -56,6 +56,33 @@ def test_generate_with_the_default_prompt(smollm_gguf, capsys):
     assert cache_bytes >= live  # at least the keys and values of every token fed
 
 
+@pytest.mark.parametrize("flag", ["-p", "--prompt"])
+def test_generate_takes_the_prompt_as_an_option_too(flag, smollm_gguf, capsys):
+    """As llama.cpp (-p) and mlx-lm (--prompt) take it; --prompt once matched --prompt-cache by abbreviation and
+    saved a cache file named after the prompt."""
+    model, tokenizer = smollm_gguf
+    prompt = "The capital of France is"
+    assert main(["generate", flag, prompt, "--max-new-tokens", "4"]) == 0
+    text = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)[0]
+    expected, _ = continuation(model, tokenizer, tokenizer(prompt, return_tensors="pt"), 4)
+    assert text == prompt + expected
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["generate", "a prompt", "-p", "another"], "give the prompt once"),
+    (["generate", "--prompt-c", "file"], "unrecognized arguments: --prompt-c"),  # no abbreviations
+    (["generate", "--max-new", "3"], "unrecognized arguments: --max-new"),
+])
+def test_the_prompt_is_given_once_and_options_are_never_abbreviated(argv, message, capsys, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code != 0 and err.startswith("kvgen: error: ") and message in err, err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
 def test_cache_config_option_parses_numbers_booleans_and_names():
     assert kvgen.cli.parse_cache_config("backend=kivi, nbits=2,q_group_size=64,axis_key=0,flag=true,scale=0.5") == {
         "backend": "kivi", "nbits": 2, "q_group_size": 64, "axis_key": 0, "flag": True, "scale": 0.5}

@@ -86,8 +86,10 @@ def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: TokenT
 
 
 def cmd_generate(args) -> int:
+    if args.prompt is not None and args.prompt_option is not None:
+        raise ValueError("give the prompt once: as the argument or with -p/--prompt, not both")
+    prompt = next((p for p in (args.prompt_option, args.prompt) if p is not None), DEFAULT_PROMPT)
     model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size)
-    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
     if args.chat:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)
@@ -241,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="continue a prompt and print stats")
     g.add_argument("prompt", nargs="?", help=f"text to continue (default: {DEFAULT_PROMPT!r})")
+    g.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT",
+                   help="the prompt as an option, as llama.cpp (-p) and mlx-lm (--prompt) take it")
     common(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)  # streaming is the default now
@@ -321,8 +325,12 @@ def _positive_int(text: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as for every other error
-        raise SystemExit(_fail(f"{self.prog.split()[-1]}: {message}"))
+    def __init__(self, *args, **kwargs):  # a prefix of an option is an error, never that option
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})  # (--prompt once meant --prompt-cache)
+
+    def error(self, message):  # one line, as for every other error; a subcommand names itself
+        name = self.prog.split()[-1]
+        raise SystemExit(_fail(message if name == "kvgen" else f"{name}: {message}"))
 
 
 def _fail(message: str) -> int:
