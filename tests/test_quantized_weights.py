@@ -260,7 +260,8 @@ def test_tiled_weights_sit_in_one_arena_in_huge_pages(smollm_pair):
     assert all(start % 64 == 0 for start in starts)
     span = max(t.data_ptr() + t.nbytes for t in tiled) - starts[0]
     assert span <= sum(-(-t.nbytes // 64) * 64 for t in tiled)  # no gaps beyond the alignment
-    if hasattr(mmap, "MADV_HUGEPAGE") and Path("/proc/self/smaps").exists():
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")  # "always [madvise] never" here
+    if hasattr(mmap, "MADV_HUGEPAGE") and thp.exists() and "[never]" not in thp.read_text():
         flags = _vm_flags(starts[0])
         assert "hg" in flags, f"the arena's mapping was not advised for huge pages: VmFlags {flags}"
 
