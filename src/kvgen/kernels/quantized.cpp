@@ -1679,7 +1679,7 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
   // few rows: the tile AHEAD tiles on is prefetched into L2 while this one is computed, a vector per
   // vector loaded (one burst of a whole tile into L1 per tile, as for many rows, left the reads and
   // the arithmetic of a decode step's attention one after the other: Zen 4, keys and values from
-  // memory, 2 threads, 1.25-1.4x faster, 1-3 tiles ahead alike); many rows: the next tile in a burst
+  // memory, 2 threads, 1.2-1.3x faster, 1-3 tiles ahead alike); many rows: the next tile in a burst
   constexpr int64_t AHEAD = 2;
   for (int64_t c = c0; c < std::min(c1, c0 + (dots ? AHEAD : 1)); ++c) prefetch(c);
   for (int64_t c = c0; c < c1; ++c) {
