@@ -139,11 +139,11 @@ class DecodeStack:
             if is_causal:
                 return None
             layer_masks.append(mask)
-        layers = len(plan.windows)
+        count = len(plan.windows)
         new = x.new_empty(()).expand(b, plan.kv_heads, t, plan.head_dim)  # the shape of each layer's new keys
         length = cache.get_seq_length()
         try:
-            buffers = cache.reserve([new] * layers, [new] * layers)
+            buffers = cache.reserve([new] * count, [new] * count)
             if buffers is None:
                 return None
             return torch.ops.kvgen.decoder_layers(

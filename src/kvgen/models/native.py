@@ -177,11 +177,10 @@ def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pr
     prefill as one C++ op (``kvgen::decoder_mlp``: a gated MLP with ``mlp.act_name`` in
     :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
     for Llama). None where it does not apply (as :func:`decoder_attention_inputs`)."""
-    rows = x.shape[0] * x.shape[1]
+    rows, gate_up, down = x.shape[0] * x.shape[1], mlp.gate_up_proj, mlp.down_proj
     if not (_native(x, None) and mlp_fuses(o_proj, pre_norm, mlp)
-            and all(p.takes_qmatmul(rows) for p in (o_proj, mlp.gate_up_proj, mlp.down_proj))):
+            and all(p.takes_qmatmul(rows) for p in (o_proj, gate_up, down))):
         return None
-    gate_up, down = mlp.gate_up_proj, mlp.down_proj
     return torch.ops.kvgen.decoder_mlp(
         x, attn, o_proj._segments, o_proj.formats, _weight(post_attention), pre_norm.weight, _weight(post_feedforward),
         pre_norm.eps, gate_up._segments, gate_up.formats, down._segments, down.formats,
