@@ -8,6 +8,9 @@ window, and a left-padded batch.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import transformers
@@ -17,6 +20,8 @@ from kvgen.cache.base import Cache
 from kvgen.cache.dynamic import DynamicLayer, DynamicSlidingWindowLayer
 from kvgen.cache.static import StaticLayer
 from kvgen.kernels import kernels_available
+from kvgen.models.decode_stack import DecodeStack
+from kvgen.models.llama import layer_parts
 from kvgen.models.packed import PackedWeight
 from kvgen.quantization import TorchAoConfig
 
@@ -193,7 +198,8 @@ def test_reserve_returns_what_update_returns_once_written():
         for layer in (updated, reserved):
             layer.update(k, v, torch.arange(5))
         expected = updated.update(new_k, new_v, torch.tensor([5]))
-        keys, values = reserved.reserve(new_k, new_v)
+        keys, values, start, end = reserved.reserve(new_k, new_v)
+        keys, values = keys[:, :, start:end], values[:, :, start:end]
         keys[:, :, -1:] = new_k
         values[:, :, -1:] = new_v
         assert torch.equal(keys, expected[0]) and torch.equal(values, expected[1])
@@ -208,4 +214,27 @@ def test_a_cache_reserves_for_all_layers_or_none():
     assert cache.layers[0].get_seq_length() == 3  # and nothing was reserved
     both = kvgen.DynamicCache()
     reserved = both.reserve([k] * 2, [k] * 2)
-    assert [tuple(keys.shape) for keys, _ in reserved] == [(1, 2, 3, 8)] * 2 and both.get_seq_length() == 3
+    assert [(keys.shape[:2], keys.shape[3], end - start) for keys, _, start, end in reserved] == [((1, 2), 8, 3)] * 2
+    assert both.get_seq_length() == 3
+
+
+def test_each_mask_group_is_asked_once_and_worked_out_again_when_the_cache_layers_change():
+    stack = DecodeStack(layer_parts)
+    asked = []
+
+    def masks(i, window):
+        asked.append(i)
+        return f"mask of {i}", False
+
+    cache = Cache(layers=[DynamicLayer() for _ in range(4)])
+    assert stack._layer_masks(masks, cache, [None] * 4) == ["mask of 0"] * 4 and asked == [0]
+    assert stack._layer_masks(masks, cache, [None, 3, None, 3]) == ["mask of 0", "mask of 1"] * 2
+    cache.layers[2] = DynamicSlidingWindowLayer(5)  # another kind of layer: another group
+    asked.clear()
+    assert stack._layer_masks(masks, cache, [None] * 4) == ["mask of 0", "mask of 0", "mask of 2", "mask of 0"]
+    assert sorted(asked) == [0, 2]
+    assert stack._layer_masks(lambda i, window: (None, i == 2), cache, [None] * 4) is None  # causal: no fused step
+    layer = weakref.ref(cache.layers[0])
+    del cache
+    gc.collect()
+    assert layer() is None  # the stack keeps no cache alive

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+_BLOCK = 64  # positions whose tables one-token steps compute at once
 
 
 def _base_inv_freq(base: float, dim: int, device=None) -> torch.Tensor:
@@ -57,6 +58,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = self._inv_freq(seq_len=None, device=device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+        self._block: tuple | None = None  # (first position, dtype, inv_freq, cos, sin) of the last one-token steps
 
     def _inv_freq(self, seq_len: int | None, device=None) -> torch.Tensor:
         base = self.params["rope_theta"]
@@ -91,8 +93,32 @@ class RotaryEmbedding(nn.Module):
         """
         if self.rope_type == "dynamic":
             self._dynamic_update(position_ids)
+        elif position_ids.dim() == 2 and position_ids.shape[1] == 1 and (position_ids.shape[0] == 1 or
+                                                                         position_ids.stride(0) == 0):
+            if not torch.compiler.is_compiling():  # one position for all rows: a decode step
+                return self._one_position(position_ids, dtype)
+        return self._tables(position_ids, dtype)
+
+    def _tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)  # (B, T, dim/2)
         return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-freqs, freqs), dim=-1).sin().to(dtype)
+
+    def _one_position(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` (B, 1, rotary_dim) of a (B, 1) ``position_ids`` holding one position, sliced from tables of
+        the ``_BLOCK`` positions around it, computed together and kept for the next steps (each step computing its
+        own: ~0.1 ms of seven small ops, 2% of a SmolLM2 Q4_1 step)."""
+        position = int(position_ids[0, 0]) if position_ids.shape[0] > 1 else int(position_ids)
+        block = self._block
+        if (block is None or not 0 <= position - block[0] < _BLOCK or block[1] != dtype or block[2] is not self.inv_freq
+                or block[3].device != position_ids.device):
+            if position < 0:
+                return self._tables(position_ids, dtype)
+            first = position - position % _BLOCK
+            cos, sin = self._tables(torch.arange(first, first + _BLOCK, device=position_ids.device)[None], dtype)
+            block = self._block = (first, dtype, self.inv_freq, cos, sin)  # cos, sin: (1, _BLOCK, rotary_dim)
+        i, rows = position - block[0], position_ids.shape[0]
+        cos, sin = block[3][:, i:i + 1], block[4][:, i:i + 1]  # (1, 1, rotary_dim)
+        return (cos, sin) if rows == 1 else (cos.expand(rows, 1, -1), sin.expand(rows, 1, -1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

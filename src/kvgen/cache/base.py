@@ -44,12 +44,15 @@ class CacheLayer:
         """Store ``key``/``value`` (B, H, T, D) at ``cache_position`` (T,); return what to attend to."""
         raise NotImplementedError
 
-    def reserve(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What ``update(key, value, ...)`` returns, with room made for the new keys/values but without writing them:
-        the caller writes them into the last T slots (the fused decode step, :mod:`kvgen.models.decode_stack`).
-        Only the shapes and dtypes of ``key``/``value`` (B, H, T, D) are read. ``None`` (the default), changing
-        nothing: the layer stores only through ``update`` (it quantizes, re-rotates or moves what it stores).
-        A subclass that changes what ``update`` stores changes ``reserve`` alike."""
+    def reserve(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """Room made for the new keys/values without writing them: ``(keys, values, start, end)``, buffers
+        (B, H, slots, D) whose slots ``start .. end - 1`` are what ``update(key, value, ...)`` would return, the
+        caller writing the new T tokens into the last T of them (the fused decode step,
+        :mod:`kvgen.models.decode_stack`, which takes the slot range rather than a view: two ``narrow`` calls a
+        layer were a twentieth of a SmolLM2 step). Only the shapes and dtypes of ``key``/``value`` (B, H, T, D)
+        are read. ``None`` (the default), changing nothing: the layer stores only through ``update`` (it
+        quantizes, re-rotates or moves what it stores). A subclass that changes what ``update`` stores changes
+        ``reserve`` alike."""
         return None
 
     def key_positions(self, cache_position: torch.Tensor) -> torch.Tensor:
@@ -208,9 +211,11 @@ class Cache:
 
     def reserve(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[tuple] | None:
         """:meth:`CacheLayer.reserve` of layers 0 .. len(keys) - 1 for the new ``keys[i]``/``values[i]``
-        (B, Hkv, T, D): per layer, the buffers to write the new tokens into (their last T slots) and then attend
-        to; ``None``, changing nothing, unless every layer can reserve."""
-        layers = [self.layer(i) for i in range(len(keys))]
+        (B, Hkv, T, D): per layer, ``(keys, values, start, end)``, the buffers to write the new tokens into (the
+        last T of slots ``start .. end - 1``) and then attend to; ``None``, changing nothing, unless every layer
+        can reserve."""
+        n = len(keys)
+        layers = self.layers[:n] if len(self.layers) >= n else [self.layer(i) for i in range(n)]
         if any(type(layer).reserve is CacheLayer.reserve for layer in layers):
             return None
         return [layer.reserve(k, v) for layer, k, v in zip(layers, keys, values)]

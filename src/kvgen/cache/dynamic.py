@@ -59,18 +59,18 @@ class DynamicLayer(CacheLayer):
 
     def _claim(self, key: torch.Tensor, value: torch.Tensor) -> int:
         """Room for ``key``/``value``'s T new slots, counted as held; returns the first of them (to be written)."""
-        t = key.shape[2]
+        b, h, t, d = key.shape  # (one shape read per tensor: this runs for every layer of every step)
         if self._k is None:
-            b, h, _, d = key.shape
             capacity = _round_up(t + 1, self.granularity)
             self._k = key.new_empty(b, h, capacity, d)
             self._v = value.new_empty(value.shape[0], value.shape[1], capacity, value.shape[3])
-        elif key.shape[0] != self._k.shape[0] or key.shape[1] != self._k.shape[1]:
-            raise ValueError(
-                f"new keys have batch {key.shape[0]} and {key.shape[1]} heads but the cache holds batch "
-                f"{self._k.shape[0]} with {self._k.shape[1]} heads; use one cache per batch shape"
-            )
-        self._make_room(t)
+        else:
+            held_b, held_h, capacity, _ = self._k.shape
+            if b != held_b or h != held_h:
+                raise ValueError(f"new keys have batch {b} and {h} heads but the cache holds batch {held_b} with "
+                                 f"{held_h} heads; use one cache per batch shape")
+            if self._end + t > capacity:
+                self._make_room(t)
         first = self._end
         self._end += t
         self._seen += t
@@ -91,7 +91,7 @@ class DynamicLayer(CacheLayer):
 
     def reserve(self, key, value):
         self._claim(key, value)
-        return self._live()
+        return self._k, self._v, self._start, self._end
 
     def key_positions(self, cache_position):
         live = self._end - self._start

@@ -2099,12 +2099,14 @@ void store_last(const at::Tensor& buffer, const at::Tensor& fresh) {
 
 // A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
 // calls per layer: for each layer i, decoder_attention_inputs; its new keys and values written into
-// the last T slots of keys[i] / values[i] (B, Hkv, S_i, D: the cache's buffers, room already made
-// for them); attention of the queries over all S_i slots with masks[i]; decoder_mlp. Exactly the
+// the last T of slots starts[i] .. ends[i] - 1 of keys[i] / values[i] (B, Hkv, slots, D: the cache's
+// buffers, room already made for them); attention of the queries over those slots with masks[i]
+// (B or 1, 1, T, ends[i] - starts[i]); decoder_mlp. Exactly the
 // per-layer ops, in the same order, so the two paths give the same bits. A layer's weight segments
 // are the next qkv_counts[i] (o_counts[i], ...) tensors of qkv (o, ...).
 at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorList sin, at::TensorList keys,
-                          at::TensorList values, const c10::List<c10::optional<at::Tensor>>& masks,
+                          at::TensorList values, at::IntArrayRef starts, at::IntArrayRef ends,
+                          const c10::List<c10::optional<at::Tensor>>& masks,
                           at::ArrayRef<double> scales, at::ArrayRef<double> softcaps, at::TensorList input_norms,
                           const c10::List<c10::optional<at::Tensor>>& q_norms,
                           const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList qkv,
@@ -2116,7 +2118,8 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
                           at::IntArrayRef down_formats, at::IntArrayRef down_counts, int64_t H, int64_t Hkv,
                           double eps, double head_eps, double offset, int64_t act) {
   const size_t L = input_norms.size();
-  for (size_t n : {cos.size(), sin.size(), keys.size(), values.size(), masks.size(), scales.size(), softcaps.size(),
+  for (size_t n : {cos.size(), sin.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size(),
+                   scales.size(), softcaps.size(),
                    q_norms.size(), k_norms.size(), qkv_counts.size(), o_counts.size(), post_attention.size(),
                    pre_feedforward.size(), post_feedforward.size(), gate_up_counts.size(), down_counts.size()})
     TORCH_CHECK(n == L, "kvgen: decoder_layers takes one entry per layer in every per-layer list (", L, " layers)");
@@ -2139,9 +2142,12 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
     const auto [qkv_w, qkv_f] = qkv_s.take(i);
     const std::vector<at::Tensor> qkv_out = decoder_attention_inputs(
         x, input_norms[i], eps, qkv_w, qkv_f, cos[i], sin[i], H, Hkv, q_norms.get(i), k_norms.get(i), head_eps, offset);
-    const at::Tensor &k = keys[i], &v = values[i];
-    TORCH_CHECK(k.dim() == 4 && v.dim() == 4 && k.size(2) >= T && v.size(2) == k.size(2),
-                "kvgen: decoder_layers' keys and values of layer ", i, " must be (B, Hkv, S >= T, D)");
+    TORCH_CHECK(keys[i].dim() == 4 && values[i].dim() == 4 && 0 <= starts[i] && starts[i] + T <= ends[i] &&
+                ends[i] <= std::min(keys[i].size(2), values[i].size(2)),
+                "kvgen: decoder_layers' keys and values of layer ", i, " must be (B, Hkv, slots, D) buffers holding "
+                "slots ", starts[i], " .. ", ends[i], " - 1, at least T = ", T, " of them");
+    const at::Tensor k = keys[i].narrow(2, starts[i], ends[i] - starts[i]);
+    const at::Tensor v = values[i].narrow(2, starts[i], ends[i] - starts[i]);
     store_last(k, qkv_out[1]);
     store_last(v, qkv_out[2]);
     const at::Tensor attn = attention(qkv_out[0], k, v, masks.get(i), scales[i], softcaps[i]);  // (B, H, T, D)
@@ -2176,10 +2182,10 @@ TORCH_LIBRARY(kvgen, m) {
         "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
         "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
   m.def("gated_activation(Tensor gate_up, int act) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, Tensor[] keys, Tensor[] values, Tensor?[] masks, "
-        "float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, Tensor?[] k_norms, Tensor[] qkv, "
-        "int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, int[] o_counts, Tensor?[] post_attention, "
-        "Tensor[] pre_feedforward, Tensor?[] post_feedforward, Tensor[] gate_up, int[] gate_up_formats, "
+  m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, Tensor[] keys, Tensor[] values, int[] starts, "
+        "int[] ends, Tensor?[] masks, float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, "
+        "Tensor?[] k_norms, Tensor[] qkv, int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, "
+        "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, Tensor[] gate_up, int[] gate_up_formats, "
         "int[] gate_up_counts, Tensor[] down, int[] down_formats, int[] down_counts, int heads, int kv_heads, "
         "float eps, float head_eps, float offset, int act) -> Tensor");
 }
