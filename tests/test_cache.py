@@ -347,3 +347,28 @@ def test_mask_rules_causal_window_padding_and_empty_slots():
 def test_mask_row_of_padding_attends_to_itself_only():
     mask, _ = attention_mask(torch.arange(3), torch.arange(3), torch.tensor([[0, 0, 1]]))
     assert mask[0, 0].int().tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]]
+
+
+@pytest.mark.parametrize("layer", [DynamicLayer, lambda: DynamicSlidingWindowLayer(4)], ids=["dynamic", "sliding"])
+def test_a_decode_step_mask_settled_from_integer_positions_is_the_built_one(layer, monkeypatch):
+    """LayerMasks settles a one-token step's mask from the layer's key_range where the cache gives one; it must be
+    what building the mask from key_positions gives, for a layer's own window and for a window it does not keep."""
+    import kvgen.models.base as model_base
+
+    built = []
+    monkeypatch.setattr(model_base, "build_mask", lambda *args, **kw: built.append(args[-1]) or attention_mask(
+        *args, **kw))
+    cache = kvgen.cache.base.Cache(layers=[layer()])
+    k, v = kv(7)
+    cache.update(k, v, 0, {"cache_position": torch.arange(7)})
+    for n in range(7, 12):
+        position = torch.tensor([n])
+        for window in (None, 3, 4, 5, 20):
+            expected = attention_mask(position, cache.key_positions(0, position), None, window)
+            got = model_base.LayerMasks(cache, position, None)(0, window)
+            assert got[1] == expected[1] and (got[0] is None) == (expected[0] is None)
+            if got[0] is not None:
+                assert torch.equal(got[0], expected[0])
+        k, v = kv(1, n)
+        cache.update(k, v, 0, {"cache_position": position})
+    assert None not in built and 20 not in built and 3 in built  # settled without tensors where all is visible

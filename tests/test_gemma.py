@@ -338,3 +338,12 @@ def test_real_gemma3_greedy_past_the_window_equals_transformers(gemma3, gemma3_p
         stored = [keys.shape[2] for keys, _ in cache]
         assert max(stored[i] for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention") <= 512
         assert stored[5] == PROMPT_TOKENS + NEW_TOKENS - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_embedding_scale_multiplies_as_transformers_rounded_tensor(dtype):
+    from kvgen.models.gemma import _embedding_scale
+
+    x = (torch.randn(2, 5, 640, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    expected = x * torch.tensor(640 ** 0.5, dtype=torch.float32).to(dtype)  # transformers' Gemma scaling
+    assert torch.equal(x * _embedding_scale(640, dtype), expected)

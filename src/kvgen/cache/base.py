@@ -59,6 +59,12 @@ class CacheLayer:
         """Absolute position held by each slot that ``update`` will return for ``cache_position``; -1 if empty."""
         raise NotImplementedError
 
+    def key_range(self, cache_position: torch.Tensor) -> range | None:
+        """What :meth:`key_positions` returns, as a ``range``, when the slots hold consecutive positions; ``None``
+        (the default): ask ``key_positions``. Lets a decode step's mask be settled without tensors. A layer that
+        overrides ``key_positions`` overrides this too."""
+        return None
+
     def check_cache_position(self, cache_position: torch.Tensor) -> None:
         """Raise a clear error when ``cache_position`` cannot be written to this layer."""
 
@@ -209,6 +215,10 @@ class Cache:
     def key_positions(self, layer_idx: int, cache_position: torch.Tensor) -> torch.Tensor:
         return self.layer(layer_idx).key_positions(cache_position)
 
+    def key_range(self, layer_idx: int, cache_position: torch.Tensor) -> range | None:
+        """:meth:`CacheLayer.key_range` of layer ``layer_idx``."""
+        return self.layer(layer_idx).key_range(cache_position)
+
     def reserve(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[tuple] | None:
         """:meth:`CacheLayer.reserve` of layers 0 .. len(keys) - 1 for the new ``keys[i]``/``values[i]``
         (B, Hkv, T, D): per layer, ``(keys, values, start, end)``, the buffers to write the new tokens into (the
@@ -245,13 +255,13 @@ class Cache:
 
     def record_token_ids(self, input_ids: torch.Tensor | None, cache_position: torch.Tensor) -> None:
         """Remember which token ids were written at ``cache_position`` (called by models, outside compile)."""
-        start = int(cache_position[0])
+        start = _first_last(cache_position)[0]
         known = self.token_ids
         if (input_ids is None or (known is None and start > 0) or
                 (known is not None and (known.shape[0] != input_ids.shape[0] or start > known.shape[1]))):
             self.token_ids = None
             return
-        prefix = known[:, :start] if known is not None else input_ids[:, :0]
+        prefix = input_ids[:, :0] if known is None else known if known.shape[1] == start else known[:, :start]
         self.token_ids = torch.cat([prefix, input_ids.to(prefix.device)], dim=1)
 
     def common_prefix_length(self, input_ids: torch.Tensor) -> int:
@@ -420,13 +430,21 @@ class Cache:
         return f"{type(self).__name__}(layers={len(self.layers)}, seq_length={self.get_seq_length()})"
 
 
+def _first_last(cache_position: torch.Tensor) -> tuple[int, int]:
+    """The first and last entries of a 1-D ``cache_position`` (one read for a decode step's single entry)."""
+    if cache_position.shape[0] == 1:
+        only = int(cache_position)  # (indexing first would make a tensor: 5x slower)
+        return only, only
+    return int(cache_position[0]), int(cache_position[-1])
+
+
 def check_next_positions(cache_position: torch.Tensor, seen: int, holder: str, hint: str) -> None:
     """Raise ``ValueError`` unless ``cache_position`` (T,) is ``seen .. seen + T - 1`` (a layer that only appends).
 
     ``holder`` names the layer and its verb ("this DynamicLayer holds"); ``hint`` says how to fix the call.
     """
     t = cache_position.shape[0]
-    first, last = int(cache_position[0]), int(cache_position[-1])
+    first, last = _first_last(cache_position)
     if first != seen or last != seen + t - 1:
         raise ValueError(f"cache_position runs {first}..{last} but {holder} {seen} tokens, so the next positions "
                          f"must be {seen}..{seen + t - 1}. {hint}")

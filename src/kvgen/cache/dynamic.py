@@ -94,9 +94,11 @@ class DynamicLayer(CacheLayer):
         return self._k, self._v, self._start, self._end
 
     def key_positions(self, cache_position):
-        live = self._end - self._start
-        first = self._seen - live
-        return torch.arange(first, self._seen + cache_position.shape[0], device=cache_position.device)
+        span = self.key_range(cache_position)
+        return torch.arange(span.start, span.stop, device=cache_position.device)
+
+    def key_range(self, cache_position):
+        return range(self._seen - (self._end - self._start), self._seen + cache_position.shape[0])
 
     def check_cache_position(self, cache_position):
         check_next_positions(cache_position, self._seen, f"this {type(self).__name__} holds",
@@ -180,9 +182,9 @@ class DynamicSlidingWindowLayer(DynamicLayer):
         self._drop_unseen()
         return super().reserve(key, value)
 
-    def key_positions(self, cache_position):
+    def key_range(self, cache_position):
         live = min(self._end - self._start, self.sliding_window - 1)
-        return torch.arange(self._seen - live, self._seen + cache_position.shape[0], device=cache_position.device)
+        return range(self._seen - live, self._seen + cache_position.shape[0])
 
     def get_max_cache_shape(self):
         return self.sliding_window

@@ -59,6 +59,7 @@ class _Plan(NamedTuple):
     scales: list[float]
     softcaps: list[float]  # 0: none
     args: tuple  # the weight-side arguments of kvgen::decoder_layers, in its order
+    hooks: list[dict]  # each layer's forward hooks and forward pre-hooks (filled in place as hooks come)
 
 
 class DecodeStack:
@@ -120,7 +121,8 @@ class DecodeStack:
             *segments([p.mlp.gate_up_proj for p in parts]), *segments([p.mlp.down_proj for p in parts]),
             heads, kv_heads, eps, head_norms[0].eps if head_norms else 0.0, offset, act)
         return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, [p.attn.scaling for p in parts],
-                     [getattr(p.attn, "softcap", None) or 0.0 for p in parts], args)
+                     [getattr(p.attn, "softcap", None) or 0.0 for p in parts], args,
+                     [hooks for layer in layers for hooks in (layer._forward_hooks, layer._forward_pre_hooks)])
 
     def _layer_masks(self, masks, cache, windows: list[int | None]) -> list[torch.Tensor | None] | None:
         """Each layer's mask, asked of ``masks`` once per group of layers sharing one; ``None`` if one is causal.
@@ -150,11 +152,10 @@ class DecodeStack:
         to extend.
         """
         b, t = x.shape[0], x.shape[1]
-        if cache is None or not _native(x, b * t) or tables[0][0].dtype != torch.float32 or \
-                any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):  # hooks see each layer
+        if cache is None or not _native(x, b * t) or tables[0][0].dtype != torch.float32:
             return None
         plan = self._current_plan(layers)
-        if plan is None or tables[0][0].shape[-1] != plan.head_dim:
+        if plan is None or tables[0][0].shape[-1] != plan.head_dim or any(plan.hooks):  # hooks see each layer
             return None
         count = len(plan.windows)
         layer_masks = self._layer_masks(masks, cache, plan.windows)  # before reserving: it asks the cache

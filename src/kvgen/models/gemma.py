@@ -17,6 +17,8 @@ What both share, and where they differ from Llama:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,6 +60,13 @@ class GemmaRMSNorm(nn.Module):
         y = x.float()
         y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * scale).to(x.dtype)  # Gemma scales in float32, then casts (Llama casts first)
+
+
+@functools.cache
+def _embedding_scale(hidden_size: int, dtype: torch.dtype) -> float:
+    """``sqrt(hidden_size)`` rounded to ``dtype`` first, as transformers scales the embeddings (sqrt(640) -> 25.25 in
+    bf16); a Python float, which multiplies as that tensor would (the step then makes no tensor of it)."""
+    return float(torch.tensor(hidden_size ** 0.5, dtype=torch.float32).to(dtype))
 
 
 def softcapped_attention(q, k, v, mask, is_causal: bool, scale: float, softcap: float) -> torch.Tensor:
@@ -255,8 +264,7 @@ class GemmaForCausalLM(PreTrainedModel):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
-            # the scale is rounded to the weights' dtype first, as in transformers (sqrt(640) -> 25.25 in bf16)
-            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=torch.float32).to(x.dtype)
+            x = x * _embedding_scale(self.config.hidden_size, x.dtype)
         else:
             x = inputs_embeds
         b, t = x.shape[:2]
