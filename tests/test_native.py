@@ -42,6 +42,16 @@ def test_rms_norm_matches_torch(threads, monkeypatch):
         torch.set_num_threads(previous)
 
 
+def test_rms_norm_offset_adds_to_the_weight_inside_the_op():
+    """Gemma's norms scale by weight + 1: the op adds the offset per value, as a float32 sum made first would."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 5, 640, generator=g) * 3, torch.randn(640, generator=g) * 0.1
+    with torch.no_grad():
+        assert torch.equal(native.rms_norm(x, w, 1e-6, 1.0), native.rms_norm(x, 1.0 + w, 1e-6))
+        torch.testing.assert_close(native.rms_norm(x, w, 1e-6, 1.0), F.rms_norm(x, (640,), 1.0 + w, 1e-6),
+                                   rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("act,reference", [("silu", F.silu), ("gelu_pytorch_tanh",
                                                                lambda x: F.gelu(x, approximate="tanh"))])
 def test_gated_activation_matches_torch(act, reference):

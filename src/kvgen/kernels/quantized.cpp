@@ -1413,7 +1413,6 @@ at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double
   return y;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_offset(x, weight, eps, 0.0); }
 
 // -- attention ------------------------------------------------------------------------------------
 //
@@ -2174,7 +2173,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("embedding(Tensor w, Tensor ids, int k, int format) -> Tensor");
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");
   m.def("decoder_attention_inputs(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] formats, Tensor cos, "
         "Tensor sin, int heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, float head_eps, float offset) -> Tensor[]");
@@ -2194,7 +2193,7 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("qmatmul", qmatmul);
   m.impl("dequantize_", dequantize_);
   m.impl("embedding", embedding);
-  m.impl("rms_norm", rms_norm);
+  m.impl("rms_norm", rms_norm_offset);
   m.impl("attention", attention);
   m.impl("decoder_attention_inputs", decoder_attention_inputs);
   m.impl("decoder_mlp", decoder_mlp);

@@ -54,6 +54,8 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return native.rms_norm(x, self.weight, self.eps, self.offset)  # (weight + offset: the same float32 sum)
         scale = self.offset + self.weight.float()
         if x.dtype == torch.float32:
             return native.rms_norm(x, scale, self.eps)

@@ -44,12 +44,12 @@ def _native(x: torch.Tensor, rows: int | None) -> bool:
             and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and kernels_available())
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``F.rms_norm(x, weight.shape, weight, eps)`` over the last dim of ``x``, at any number of rows (rows in
-    parallel: a 512-token prefill's norm 2-4x faster than ATen's, which runs ~8 ops)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``F.rms_norm(x, weight.shape, weight + offset, eps)`` over the last dim of ``x``, at any number of rows (rows
+    in parallel: a 512-token prefill's norm 2-4x faster than ATen's, which runs ~8 ops)."""
     if _native(x, None) and weight.dtype == torch.float32:
-        return torch.ops.kvgen.rms_norm(x.contiguous(), weight, eps)
-    return F.rms_norm(x, weight.shape, weight, eps)
+        return torch.ops.kvgen.rms_norm(x.contiguous(), weight, eps, offset)
+    return F.rms_norm(x, weight.shape, weight + offset if offset else weight, eps)
 
 
 def gated_activation(gate_up: torch.Tensor, act_name: str) -> torch.Tensor | None:
