@@ -226,7 +226,7 @@ class Cache:
         can reserve."""
         n = len(keys)
         layers = self.layers[:n] if len(self.layers) >= n else [self.layer(i) for i in range(n)]
-        if any(type(layer).reserve is CacheLayer.reserve for layer in layers):
+        if any(kind.reserve is CacheLayer.reserve for kind in set(map(type, layers))):
             return None
         return [layer.reserve(k, v) for layer, k, v in zip(layers, keys, values)]
 
