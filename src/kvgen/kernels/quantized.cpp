@@ -1413,7 +1413,6 @@ at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double
   return y;
 }
 
-
 // -- attention ------------------------------------------------------------------------------------
 //
 // kvgen::attention(q, k, v, mask?, scale, softcap): q (B, H, T, D), k and v (B, Hkv, S, D) (any
@@ -2118,9 +2117,9 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
                           double eps, double head_eps, double offset, int64_t act) {
   const size_t L = input_norms.size();
   for (size_t n : {cos.size(), sin.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size(),
-                   scales.size(), softcaps.size(),
-                   q_norms.size(), k_norms.size(), qkv_counts.size(), o_counts.size(), post_attention.size(),
-                   pre_feedforward.size(), post_feedforward.size(), gate_up_counts.size(), down_counts.size()})
+                   scales.size(), softcaps.size(), q_norms.size(), k_norms.size(), qkv_counts.size(), o_counts.size(),
+                   post_attention.size(), pre_feedforward.size(), post_feedforward.size(), gate_up_counts.size(),
+                   down_counts.size()})
     TORCH_CHECK(n == L, "kvgen: decoder_layers takes one entry per layer in every per-layer list (", L, " layers)");
   struct Segments {
     at::TensorList ws;
@@ -2184,9 +2183,9 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, Tensor[] keys, Tensor[] values, int[] starts, "
         "int[] ends, Tensor?[] masks, float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, "
         "Tensor?[] k_norms, Tensor[] qkv, int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, "
-        "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, Tensor[] gate_up, int[] gate_up_formats, "
-        "int[] gate_up_counts, Tensor[] down, int[] down_formats, int[] down_counts, int heads, int kv_heads, "
-        "float eps, float head_eps, float offset, int act) -> Tensor");
+        "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, "
+        "Tensor[] gate_up, int[] gate_up_formats, int[] gate_up_counts, Tensor[] down, int[] down_formats, "
+        "int[] down_counts, int heads, int kv_heads, float eps, float head_eps, float offset, int act) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
