@@ -39,11 +39,9 @@ class DynamicLayer(CacheLayer):
 
     # -- storage -----------------------------------------------------------------------------------
     def _make_room(self, extra: int) -> None:
-        """Ensure ``extra`` free slots after ``_end``, compacting or growing the buffer."""
+        """Make ``extra`` free slots after ``_end`` (there are fewer), compacting or growing the buffer."""
         capacity = self._k.shape[2]
         live = self._end - self._start
-        if self._end + extra <= capacity:
-            return
         if self._start > 0 and live + extra <= capacity and self._start >= live:
             # Enough dead room at the front: move the live part down (copies at most `live` slots).
             self._k[:, :, :live] = self._k[:, :, self._start:self._end]
