@@ -15,8 +15,8 @@ llama-bench alternate in fresh processes, ``--rounds`` times:
 * peak RSS of each process (``wait4``).
 
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
-plus the keys and values attended to) over the read bandwidth of a large ``sum`` measured in
-the same worker. Writes ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
+plus the keys and values attended to) over the read bandwidth of a large ``sum`` or ``amax``,
+whichever is faster, measured in the same worker. Writes ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
 
     python benchmarks/vs_llamacpp.py                      # both models, 1 and 2 threads, 3 rounds
     python benchmarks/vs_llamacpp.py --models smollm2 --threads 2 --rounds 1
