@@ -1097,7 +1097,7 @@ constexpr int dot_bias() {
   return 0;
 }
 
-// y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input (R <= 8)
+// y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input (R <= 16)
 template <class T, int R>
 __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
                                                 int64_t t1, float* y, int64_t ldy) {
@@ -1174,13 +1174,14 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
                   int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
   const int64_t xld = group_sums_ld<T>(K);
 #if defined(KVGEN_DOT8)
-  if constexpr (has_dot<T>()) {  // the tiles whose first row lies in n0..n1, 8 rows of x at a time
+  if constexpr (has_dot<T>()) {  // the tiles whose first row lies in n0..n1, 16 rows of x at a time (a prefill:
+    // each block's unpacking serves twice the rows of 8, 512-row products 3-14% faster on Zen 4; 24 or 32 no faster)
     // over runs of tiles of ~256 kB, so that many rows (a prefill) read each run from L2, not memory
     const int64_t run = std::max<int64_t>(1, (256 << 10) / (K / T::Gguf::QK * 16 * T::Gguf::BYTES));
     for (int64_t t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16; t0 < t1; t0 += run)
-      for (int64_t r = 0, t = std::min(t0 + run, t1); r < R; r += 8) {
+      for (int64_t r = 0, t = std::min(t0 + run, t1), rows; r < R; r += rows) {
         float* yr = y + r * ldy;
-        switch (std::min<int64_t>(8, R - r)) {
+        switch (rows = R - r >= 16 ? 16 : std::min<int64_t>(8, R - r)) {
           case 1: matmul_tiles_dot<T, 1>(rx, r, w, t0, t, yr, ldy); break;
           case 2: matmul_tiles_dot<T, 2>(rx, r, w, t0, t, yr, ldy); break;
           case 3: matmul_tiles_dot<T, 3>(rx, r, w, t0, t, yr, ldy); break;
@@ -1188,7 +1189,8 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
           case 5: matmul_tiles_dot<T, 5>(rx, r, w, t0, t, yr, ldy); break;
           case 6: matmul_tiles_dot<T, 6>(rx, r, w, t0, t, yr, ldy); break;
           case 7: matmul_tiles_dot<T, 7>(rx, r, w, t0, t, yr, ldy); break;
-          default: matmul_tiles_dot<T, 8>(rx, r, w, t0, t, yr, ldy); break;
+          case 8: matmul_tiles_dot<T, 8>(rx, r, w, t0, t, yr, ldy); break;
+          default: matmul_tiles_dot<T, 16>(rx, r, w, t0, t, yr, ldy); break;
         }
       }
     return;
