@@ -1,11 +1,12 @@
 """Linear and embedding layers over weights kept in their stored formats (:mod:`kvgen.models.packed`).
 
 Inputs of at most :data:`QMATMUL_ROWS` rows (decode steps, batched decoding, short chunks) run
-``torch.ops.kvgen.qmatmul``: one pass over the stored bytes per 8 rows (AVX2: 2), each block decoded
-in registers and multiplied by those rows (``d * sum(q * x) + m * sum(x)`` per group, float32
-accumulation). With AVX-512 VNNI, weights of 4-6 bits in tiles of 16 rows take exact integer dot products
-of their stored values with the rows rounded to 21 bits and a sign per block of 32 values (at most 2^-22 of
-the block's largest value off): 1.4-1.8x faster per thread than widening every value to float32.
+``torch.ops.kvgen.qmatmul``: one pass over the stored bytes per 8 rows (AVX2: 2; integer dot products of
+more than 8 rows: 16), each block decoded in registers and multiplied by those rows
+(``d * sum(q * x) + m * sum(x)`` per group, float32 accumulation). With AVX-512 VNNI, weights of 4-6 bits
+in tiles of 16 rows take exact integer dot products of their stored values with the rows rounded to 21 bits
+and a sign per block of 32 values (at most 2^-22 of the block's largest value off): 1.4-1.8x faster per
+thread than widening every value to float32.
 Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch buffer
 reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul,
 except where the integer dot products are faster at any number of rows (:func:`any_rows_formats`).
