@@ -1177,8 +1177,9 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
                   int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
   const int64_t xld = group_sums_ld<T>(K);
 #if defined(KVGEN_DOT8)
-  if constexpr (has_dot<T>()) {  // the tiles whose first row lies in n0..n1, 16 rows of x at a time (a prefill:
-    // each block's unpacking serves twice the rows of 8, 512-row products 3-14% faster on Zen 4; 24 or 32 no faster)
+  if constexpr (has_dot<T>()) {  // the tiles whose first row lies in n0..n1, 16 rows of x at a time while there
+    // are as many, else 1-8 (each unpacked block serves twice the rows of 8: 512-row products 3-14% faster on Zen
+    // 4; 24 or 32 rows no faster)
     // over runs of tiles of ~256 kB, so that many rows (a prefill) read each run from L2, not memory
     const int64_t run = std::max<int64_t>(1, (256 << 10) / (K / T::Gguf::QK * 16 * T::Gguf::BYTES));
     for (int64_t t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16; t0 < t1; t0 += run)
