@@ -74,6 +74,31 @@ def test_kernels_match_gguf_on_synthetic_blocks(qtype):
     check_against_gguf(random_raw(qtype, 48, 512), qtype, 512)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_integer_dot_products_at_their_largest_sums(qtype):
+    """Every stored value at its largest code and every input value at the largest rounded magnitude: the integer
+    dot products sum a group's three levels in int32, which holds 32 x 31 (16 x 63) x 127 * 2^14 with little to
+    spare; a wider bound or a misplaced shift wraps the sums and fails this."""
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = np.full((16, 256 // block, nbytes), 0xFF, dtype=np.uint8)  # all bits set: every code at its maximum
+    scales = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    for at in scales:
+        raw[:, :, at:at + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:
+        raw[:, :, 192:208] = 127  # its int8 group scales (0xFF would read as -1)
+    raw = raw.reshape(16, -1)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(16, 256))
+    tiled = tile_rows(PackedWeight([(int(qtype), torch.from_numpy(raw))], 256))
+    ((format, data),) = tiled.segments
+    signs = torch.where(torch.arange(256) % 3 == 0, -1.0, 1.0)
+    for x in (torch.ones(16, 256), -torch.ones(16, 256), signs.expand(16, 256) * 3.5):
+        for rows in (1, 8, 16):
+            xr = x[:rows].contiguous()
+            got = torch.ops.kvgen.qmatmul(xr, [data], [format])
+            reference = xr.double() @ expected.double().T
+            assert ((got.double() - reference).abs() <= 1e-5 * (xr.double().abs() @ expected.double().abs().T)).all()
+
+
 @pytest.fixture(scope="module")
 def gemma3_gguf():
     from kvgen.loading.default_model import gemma3_gguf_path
