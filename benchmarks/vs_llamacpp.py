@@ -16,7 +16,8 @@ llama-bench alternate in fresh processes, ``--rounds`` times:
 
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
 plus the keys and values attended to) over the read bandwidth of a large ``sum`` or ``amax``,
-whichever is faster, measured in the same worker. Writes ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
+whichever is faster, measured in fresh processes just before and just after each kvgen worker
+(the higher of the two). Writes ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
 
     python benchmarks/vs_llamacpp.py                      # both models, 1 and 2 threads, 3 rounds
     python benchmarks/vs_llamacpp.py --models smollm2 --threads 2 --rounds 1
@@ -98,12 +99,7 @@ def kvgen_worker(model: str, threads: int) -> dict:
     m = AutoModelForCausalLM.from_pretrained(model)
     vocab = m.config.vocab_size
     ids = torch.randint(100, min(vocab, 30000), (1, PROMPT), generator=torch.Generator().manual_seed(0))
-    src = torch.ones(64 * 2**20)  # 256 MB: far past the caches
-    # the best of two streaming reads: torch's sum reads 256 MB ~15% slower than its max on Zen 4 (45.6 against
-    # 54.0 GB/s, 2 threads), and kvgen's own Q8_0 lm_head product reached 54.6: sum alone overstated the roofline
-    read_bw = max(src.numel() * 4 / _timed(read) for read in (src.sum, src.amax) for _ in range(5))
-    del src
-    result = {"weight_format": m.weight_format, "read_bandwidth": read_bw, "decode_tok_s": {}, "roofline": {}}
+    result = {"weight_format": m.weight_format, "decode_tok_s": {}, "step_bytes": {}}
     weights = sum(b.numel() * b.element_size() for b in m.buffers() if b.dtype == torch.uint8) + \
         sum(p.numel() * p.element_size() for p in m.parameters())  # bytes a decode step streams
     with torch.no_grad():
@@ -124,11 +120,22 @@ def kvgen_worker(model: str, threads: int) -> dict:
             seconds = (time.perf_counter() - start) / NEW
             result["decode_tok_s"][str(batch)] = batch / seconds
             kv = cache.nbytes() * (PROMPT + 3 + NEW / 2) / cache.get_seq_length()  # mean context of the steps
-            result["roofline"][str(batch)] = (weights + kv) / read_bw / seconds
+            result["step_bytes"][str(batch)] = weights + kv
     from kvgen.bench import peak_rss_mb
 
     result["peak_rss_mb"] = peak_rss_mb()
     return result
+
+
+def bandwidth_worker(threads: int) -> float:
+    """Run in a fresh process: the read bandwidth of ``threads`` threads, bytes/s. The best of two streaming reads
+    of 256 MB (far past the caches): torch's sum reads ~15% slower than its max on Zen 4 (45.6 against 54.0 GB/s,
+    2 threads), and kvgen's own Q8_0 lm_head product reached 54.6, so sum alone overstated the roofline."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.ones(64 * 2**20)
+    return max(src.numel() * 4 / _timed(read) for read in (src.sum, src.amax) for _ in range(5))
 
 
 def _timed(fn) -> float:
@@ -174,9 +181,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "THREADS"), help=argparse.SUPPRESS)
+    parser.add_argument("--bandwidth-worker", type=int, metavar="THREADS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(kvgen_worker(args.worker[0], int(args.worker[1]))))
+        return
+    if args.bandwidth_worker:
+        print(bandwidth_worker(args.bandwidth_worker))
         return
     binary = llama_bench()
     paths = models()
@@ -185,8 +196,16 @@ def main() -> None:
         for threads in map(int, args.threads.split(",")):
             ours, theirs = [], []
             for _ in range(args.rounds):  # alternating, fresh processes
+                # the bandwidth read just before and just after the kvgen worker, in processes of their own (the
+                # worker's peak RSS stays its own), the higher of the two: the roofline is not flattered by a dip
+                bandwidth = [float(run_measured([sys.executable, __file__, "--bandwidth-worker", str(threads)])[0])]
                 out, rss = run_measured([sys.executable, __file__, "--worker", str(paths[name]), str(threads)])
-                ours.append({**json.loads(out), "process_peak_rss_mb": rss})
+                bandwidth.append(float(run_measured([sys.executable, __file__, "--bandwidth-worker", str(threads)])[0]))
+                run = {**json.loads(out), "process_peak_rss_mb": rss, "read_bandwidth": max(bandwidth),
+                       "read_bandwidths": bandwidth}
+                run["roofline"] = {batch: run["step_bytes"][batch] * run["decode_tok_s"][batch] / int(batch)
+                                   / run["read_bandwidth"] for batch in run["step_bytes"]}
+                ours.append(run)
                 theirs.append(llamacpp(binary, paths[name], threads))
             row = {"model": name, "file": paths[name].name, "threads": threads,
                    "kvgen": _median(ours), "llamacpp": _median(theirs), "rounds": {"kvgen": ours, "llamacpp": theirs}}
