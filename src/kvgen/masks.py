@@ -57,6 +57,23 @@ def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
     return mask | (k == q)[None, None], False
 
 
+def range_attention_mask(query_position: int, key_positions: range, sliding_window: int | None = None,
+                         device: torch.device | None = None) -> tuple[torch.Tensor | None, bool]:
+    """:func:`attention_mask` of one query without padding over slots holding the consecutive positions
+    ``key_positions`` (``start >= 0``), worked out from integers: ``(None, False)`` where every key is visible, else
+    one fill of the visible slots (a decode step's mask from tensors took seven small ops, ~0.1-0.2 ms)."""
+    first = key_positions.start
+    if sliding_window is not None:
+        first = max(first, query_position - sliding_window + 1)
+    last = min(key_positions.stop - 1, query_position)  # the visible positions: first .. last
+    if first == key_positions.start and last == key_positions.stop - 1:
+        return None, False
+    mask = torch.zeros(1, 1, 1, len(key_positions), dtype=torch.bool, device=device)  # (1, 1, 1, K)
+    if first <= last:
+        mask[..., first - key_positions.start: last - key_positions.start + 1] = True
+    return mask, False
+
+
 def check_padding_mask(padding_mask: torch.Tensor, needed: int) -> None:
     """Raise when a 2-D attention mask does not cover the positions the cache holds."""
     if padding_mask.dim() != 2:

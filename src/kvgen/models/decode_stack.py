@@ -136,7 +136,7 @@ class DecodeStack:
                 not all(map(operator.is_, map(operator.call, known), layers)):
             firsts: dict[tuple, int] = {}
             self._mask_askers = [firsts.setdefault((cache.mask_group(i), w), i) for i, w in enumerate(windows)]
-            self._mask_layers = list(map(weakref.ref, cache.layers[:len(windows)]))
+            self._mask_layers = list(map(weakref.ref, cache.layers[:len(windows)]))  # (mask_group may add layers)
             self._mask_windows = list(windows)
         asked = {i: masks(i, windows[i]) for i in set(self._mask_askers)}
         if any(is_causal for _, is_causal in asked.values()):
