@@ -238,3 +238,33 @@ def test_each_mask_group_is_asked_once_and_worked_out_again_when_the_cache_layer
     del cache
     gc.collect()
     assert layer() is None  # the stack keeps no cache alive
+
+
+def test_a_replaced_plan_forgets_its_registered_weights(model, monkeypatch):
+    """The weights registered for a stack are released in C++ once the stack gathers them anew."""
+    ids = torch.tensor([[5, 6, 7]])
+    padding = torch.ones_like(ids)
+    decode(model, ids, padding, kvgen.DynamicCache(), 1, True, monkeypatch)
+    old = model.decode_stack._plan.weights.id
+    model.decode_stack._layers = None  # as if the layers had changed: gathered and registered again
+    decode(model, ids, padding, kvgen.DynamicCache(), 1, True, monkeypatch)
+    assert model.decode_stack._plan.weights.id != old
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"no registered stack {old}"):
+        torch.ops.kvgen.decoder_layers(torch.zeros(1, 1, 128), [], [], [], [], [], [], [], [], old)
+
+
+def test_a_deep_copy_steps_with_its_own_weights(model, monkeypatch):
+    """A copied model's stack reads the copy's tensors (not those its original registered): with one of the copy's
+    weights changed, its fused steps still give its per-layer path's bits."""
+    import copy
+
+    ids = torch.tensor([[5, 6, 7]])
+    padding = torch.ones_like(ids)
+    decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)  # the original registers its weights
+    twin = copy.deepcopy(model)
+    (_, data), = twin.model.layers[1].mlp.down_proj.weight.segments
+    data.copy_(torch.flip(data, [0]))
+    fused, runs = decode(twin, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
+    plain, _ = decode(twin, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
+    assert runs == 2 and all(torch.equal(a, b) for a, b in zip(fused, plain))

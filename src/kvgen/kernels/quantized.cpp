@@ -27,7 +27,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -2145,51 +2147,113 @@ void store_last(const at::Tensor& buffer, const at::Tensor& fresh) {
                     src + ((b * H + h) * T + t) * D, D * sizeof(float));
 }
 
-// A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
-// calls per layer: for each layer i, decoder_attention_inputs; its new keys and values written into
-// the last T of slots starts[i] .. ends[i] - 1 of keys[i] / values[i] (B, Hkv, slots, D: the cache's
-// buffers, room already made for them); attention of the queries over those slots with masks[i]
-// (B or 1, 1, T, ends[i] - starts[i]); decoder_mlp. Exactly the
-// per-layer ops, in the same order, so the two paths give the same bits. A layer's weight segments
-// are the next qkv_counts[i] (o_counts[i], ...) tensors of qkv (o, ...).
-at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorList sin, at::TensorList keys,
-                          at::TensorList values, at::IntArrayRef starts, at::IntArrayRef ends,
-                          const c10::List<c10::optional<at::Tensor>>& masks,
-                          at::ArrayRef<double> scales, at::ArrayRef<double> softcaps, at::TensorList input_norms,
-                          const c10::List<c10::optional<at::Tensor>>& q_norms,
-                          const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList qkv,
-                          at::IntArrayRef qkv_formats, at::IntArrayRef qkv_counts, at::TensorList o,
-                          at::IntArrayRef o_formats, at::IntArrayRef o_counts,
-                          const c10::List<c10::optional<at::Tensor>>& post_attention, at::TensorList pre_feedforward,
-                          const c10::List<c10::optional<at::Tensor>>& post_feedforward, at::TensorList gate_up,
-                          at::IntArrayRef gate_up_formats, at::IntArrayRef gate_up_counts, at::TensorList down,
-                          at::IntArrayRef down_formats, at::IntArrayRef down_counts, int64_t H, int64_t Hkv,
-                          double eps, double head_eps, double offset, int64_t act) {
+// A decode stack's weight-side arguments, registered once (kvgen::decoder_stack) and named by an id
+// in each step's kvgen::decoder_layers: the ~300 tensors of SmolLM2's 30 layers, converted from
+// Python lists at every call, cost a step ~0.13 ms (measured around the op, cold caches).
+struct StackWeights {
+  std::vector<at::Tensor> input_norms, qkv, o, pre_feedforward, gate_up, down;
+  std::vector<c10::optional<at::Tensor>> q_norms, k_norms, post_attention, post_feedforward;
+  std::vector<int64_t> qkv_formats, o_formats, gate_up_formats, down_formats;
+  std::vector<int64_t> qkv_first, o_first, gate_up_first, down_first;  // per layer, its first segment; then the end
+  std::vector<double> scales, softcaps;
+  int64_t H, Hkv, act;
+  double eps, head_eps, offset;
+};
+
+std::mutex g_stacks_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const StackWeights>> g_stacks;
+int64_t g_next_stack = 1;
+
+std::vector<c10::optional<at::Tensor>> optionals(const c10::List<c10::optional<at::Tensor>>& list) {
+  std::vector<c10::optional<at::Tensor>> out;
+  for (size_t i = 0; i < list.size(); ++i) out.push_back(list.get(i));
+  return out;
+}
+
+// each layer's first segment of a list of weight segments, counts[i] of them per layer, then the end
+std::vector<int64_t> firsts(at::TensorList ws, at::IntArrayRef formats, at::IntArrayRef counts, const char* what) {
+  TORCH_CHECK(formats.size() == ws.size(), "kvgen: decoder_stack takes one format per ", what, " segment");
+  std::vector<int64_t> out{0};
+  for (int64_t c : counts) {
+    TORCH_CHECK(c > 0, "kvgen: decoder_stack's layers each have at least one ", what, " segment");
+    out.push_back(out.back() + c);
+  }
+  TORCH_CHECK(out.back() == (int64_t)ws.size(), "kvgen: decoder_stack's ", what, " counts add up to ", out.back(),
+              " segments, not ", ws.size());
+  return out;
+}
+
+// Registers the weights of L decoder layers (layer i's weight segments: the next qkv_counts[i]
+// (o_counts[i], ...) tensors of qkv (o, ...)); returns the id kvgen::decoder_layers takes.
+int64_t decoder_stack(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps, at::TensorList input_norms,
+                      const c10::List<c10::optional<at::Tensor>>& q_norms,
+                      const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList qkv,
+                      at::IntArrayRef qkv_formats, at::IntArrayRef qkv_counts, at::TensorList o, at::IntArrayRef o_formats,
+                      at::IntArrayRef o_counts, const c10::List<c10::optional<at::Tensor>>& post_attention,
+                      at::TensorList pre_feedforward, const c10::List<c10::optional<at::Tensor>>& post_feedforward,
+                      at::TensorList gate_up, at::IntArrayRef gate_up_formats, at::IntArrayRef gate_up_counts,
+                      at::TensorList down, at::IntArrayRef down_formats, at::IntArrayRef down_counts, int64_t H,
+                      int64_t Hkv, double eps, double head_eps, double offset, int64_t act) {
   const size_t L = input_norms.size();
-  for (size_t n : {cos.size(), sin.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size(),
-                   scales.size(), softcaps.size(), q_norms.size(), k_norms.size(), qkv_counts.size(), o_counts.size(),
-                   post_attention.size(), pre_feedforward.size(), post_feedforward.size(), gate_up_counts.size(),
-                   down_counts.size()})
+  for (size_t n : {scales.size(), softcaps.size(), q_norms.size(), k_norms.size(), qkv_counts.size(),
+                   o_counts.size(), post_attention.size(), pre_feedforward.size(), post_feedforward.size(),
+                   gate_up_counts.size(), down_counts.size()})
+    TORCH_CHECK(n == L, "kvgen: decoder_stack takes one entry per layer in every per-layer list (", L, " layers)");
+  auto w = std::make_shared<StackWeights>(StackWeights{
+      input_norms.vec(), qkv.vec(), o.vec(), pre_feedforward.vec(), gate_up.vec(), down.vec(), optionals(q_norms),
+      optionals(k_norms), optionals(post_attention), optionals(post_feedforward), qkv_formats.vec(),
+      o_formats.vec(), gate_up_formats.vec(), down_formats.vec(), firsts(qkv, qkv_formats, qkv_counts, "q/k/v"),
+      firsts(o, o_formats, o_counts, "o"), firsts(gate_up, gate_up_formats, gate_up_counts, "gate/up"),
+      firsts(down, down_formats, down_counts, "down"), scales.vec(), softcaps.vec(), H, Hkv, act, eps, head_eps,
+      offset});
+  std::lock_guard<std::mutex> lock(g_stacks_mutex);
+  g_stacks.emplace(g_next_stack, std::move(w));
+  return g_next_stack++;
+}
+
+// forgets a registered stack (its tensors are released once no step runs it)
+void decoder_stack_free(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_stacks_mutex);
+  g_stacks.erase(id);
+}
+
+// A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
+// calls per layer: for each layer i of registered stack `stack`, decoder_attention_inputs (rotary
+// tables cos[tables[i]], sin[tables[i]]); its new keys and values written into the last T of slots
+// starts[i] .. ends[i] - 1 of keys[i] / values[i] (B, Hkv, slots, D: the cache's buffers, room
+// already made for them); attention of the queries over those slots with masks[i] (B or 1, 1, T,
+// ends[i] - starts[i]); decoder_mlp. Exactly the per-layer ops, in the same order, so the two paths
+// give the same bits.
+at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorList sin, at::IntArrayRef tables,
+                          at::TensorList keys, at::TensorList values, at::IntArrayRef starts, at::IntArrayRef ends,
+                          const c10::List<c10::optional<at::Tensor>>& masks, int64_t stack) {
+  std::shared_ptr<const StackWeights> found;
+  {
+    std::lock_guard<std::mutex> lock(g_stacks_mutex);
+    const auto it = g_stacks.find(stack);
+    TORCH_CHECK(it != g_stacks.end(), "kvgen: decoder_layers: no registered stack ", stack,
+                " (register the weights with kvgen::decoder_stack, and keep them until the last step)");
+    found = it->second;
+  }
+  const StackWeights& w = *found;
+  const size_t L = w.input_norms.size();
+  for (size_t n : {tables.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size()})
     TORCH_CHECK(n == L, "kvgen: decoder_layers takes one entry per layer in every per-layer list (", L, " layers)");
-  struct Segments {
-    at::TensorList ws;
-    at::IntArrayRef formats, counts;
-    size_t next = 0;
-    std::pair<at::TensorList, at::IntArrayRef> take(size_t i) {  // layer i's segments (layers taken in order)
-      TORCH_CHECK(formats.size() == ws.size() && next + counts[i] <= ws.size(),
-                  "kvgen: decoder_layers' weight segments do not match their formats and counts");
-      const auto out = std::make_pair(ws.slice(next, counts[i]), formats.slice(next, counts[i]));
-      next += counts[i];
-      return out;
-    }
-  } qkv_s{qkv, qkv_formats, qkv_counts}, o_s{o, o_formats, o_counts}, gu_s{gate_up, gate_up_formats, gate_up_counts},
-      down_s{down, down_formats, down_counts};
+  TORCH_CHECK(cos.size() == sin.size(), "kvgen: decoder_layers takes as many cos tables as sin tables");
+  auto take = [](const std::vector<at::Tensor>& ws, const std::vector<int64_t>& formats,
+                 const std::vector<int64_t>& first, size_t i) {
+    return std::make_pair(at::TensorList(ws).slice(first[i], first[i + 1] - first[i]),
+                          at::IntArrayRef(formats).slice(first[i], first[i + 1] - first[i]));
+  };
   at::Tensor x = x0;
   const int64_t B = x.size(0), T = x.size(1);
   for (size_t i = 0; i < L; ++i) {
-    const auto [qkv_w, qkv_f] = qkv_s.take(i);
+    TORCH_CHECK(0 <= tables[i] && tables[i] < (int64_t)cos.size(), "kvgen: decoder_layers' layer ", i,
+                " takes rotary table ", tables[i], " of ", cos.size());
+    const auto [qkv_w, qkv_f] = take(w.qkv, w.qkv_formats, w.qkv_first, i);
     const std::vector<at::Tensor> qkv_out = decoder_attention_inputs(
-        x, input_norms[i], eps, qkv_w, qkv_f, cos[i], sin[i], H, Hkv, q_norms.get(i), k_norms.get(i), head_eps, offset);
+        x, w.input_norms[i], w.eps, qkv_w, qkv_f, cos[tables[i]], sin[tables[i]], w.H, w.Hkv, w.q_norms[i],
+        w.k_norms[i], w.head_eps, w.offset);
     TORCH_CHECK(keys[i].dim() == 4 && values[i].dim() == 4 && 0 <= starts[i] && starts[i] + T <= ends[i] &&
                 ends[i] <= std::min(keys[i].size(2), values[i].size(2)),
                 "kvgen: decoder_layers' keys and values of layer ", i, " must be (B, Hkv, slots, D) buffers holding "
@@ -2198,12 +2262,12 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
     const at::Tensor v = values[i].narrow(2, starts[i], ends[i] - starts[i]);
     store_last(k, qkv_out[1]);
     store_last(v, qkv_out[2]);
-    const at::Tensor attn = attention(qkv_out[0], k, v, masks.get(i), scales[i], softcaps[i]);  // (B, H, T, D)
-    const auto [o_w, o_f] = o_s.take(i);
-    const auto [gu_w, gu_f] = gu_s.take(i);
-    const auto [down_w, down_f] = down_s.take(i);
-    x = decoder_mlp(x, attn.transpose(1, 2).reshape({B, T, -1}), o_w, o_f, post_attention.get(i), pre_feedforward[i],
-                    post_feedforward.get(i), eps, gu_w, gu_f, down_w, down_f, act, offset);
+    const at::Tensor attn = attention(qkv_out[0], k, v, masks.get(i), w.scales[i], w.softcaps[i]);  // (B, H, T, D)
+    const auto [o_w, o_f] = take(w.o, w.o_formats, w.o_first, i);
+    const auto [gu_w, gu_f] = take(w.gate_up, w.gate_up_formats, w.gate_up_first, i);
+    const auto [down_w, down_f] = take(w.down, w.down_formats, w.down_first, i);
+    x = decoder_mlp(x, attn.transpose(1, 2).reshape({B, T, -1}), o_w, o_f, w.post_attention[i],
+                    w.pre_feedforward[i], w.post_feedforward[i], w.eps, gu_w, gu_f, down_w, down_f, w.act, w.offset);
   }
   return x;
 }
@@ -2230,12 +2294,15 @@ TORCH_LIBRARY(kvgen, m) {
         "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
         "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
   m.def("gated_activation(Tensor gate_up, int act) -> Tensor");
-  m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, Tensor[] keys, Tensor[] values, int[] starts, "
-        "int[] ends, Tensor?[] masks, float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, "
+  m.def("decoder_stack(float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, "
         "Tensor?[] k_norms, Tensor[] qkv, int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, "
         "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, "
         "Tensor[] gate_up, int[] gate_up_formats, int[] gate_up_counts, Tensor[] down, int[] down_formats, "
-        "int[] down_counts, int heads, int kv_heads, float eps, float head_eps, float offset, int act) -> Tensor");
+        "int[] down_counts, int heads, int kv_heads, float eps, float head_eps, float offset, int act) -> int",
+        decoder_stack);
+  m.def("decoder_stack_free(int stack) -> ()", decoder_stack_free);
+  m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, int[] tables, Tensor[] keys, Tensor[] values, "
+        "int[] starts, int[] ends, Tensor?[] masks, int stack) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {

@@ -8,14 +8,15 @@ values go to (:meth:`kvgen.cache.base.Cache.reserve`), :meth:`DecodeStack.run` r
 op, ``kvgen::decoder_layers``: the same three C++ functions per layer in the same order, the new keys and
 values written into the reserved slots in between, so it gives the bits the per-layer path gives.
 
-The op's arguments (every layer's weights, norms, formats) are gathered once and kept; each step checks
-that the layers still hold the same modules and tensors (identity of every entry of their
-``_modules``, ``_parameters`` and ``_buffers``: ~0.1 ms for SmolLM2's 30 layers) and gathers them again
-when not.
+The op's weight-side arguments (every layer's weights, norms, formats) are gathered once and registered
+with ``kvgen::decoder_stack``, which keeps them in C++ under an id the steps pass (as Python lists, their
+~300 tensors cost SmolLM2 ~0.13 ms a step); each step checks that the layers still hold the same modules
+and tensors (identity of every entry of their ``_modules``, ``_parameters`` and ``_buffers``: ~0.1 ms
+for SmolLM2's 30 layers) and gathers them again when not.
 
 Example:
     >>> stack = DecodeStack(llama_layer_parts)                                        # doctest: +SKIP
-    >>> x = stack.run(model.model.layers, x, [(cos, sin)] * len(layers), masks, cache)  # doctest: +SKIP
+    >>> x = stack.run(model.model.layers, x, [(cos, sin)], [0] * len(layers), masks, cache)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -52,13 +53,20 @@ def _entries(layers: torch.nn.ModuleList) -> tuple[list[dict], list[str], list[o
     return stores, keys, values
 
 
+class _Registered:
+    """Weights registered with ``kvgen::decoder_stack`` (``args``: its arguments), forgotten there
+    (``kvgen::decoder_stack_free``) when this object is collected."""
+
+    def __init__(self, args: tuple):
+        self.id = torch.ops.kvgen.decoder_stack(*args)
+        weakref.finalize(self, torch.ops.kvgen.decoder_stack_free, self.id)
+
+
 class _Plan(NamedTuple):
     windows: list[int | None]  # each layer's sliding window
     kv_heads: int
     head_dim: int
-    scales: list[float]
-    softcaps: list[float]  # 0: none
-    args: tuple  # the weight-side arguments of kvgen::decoder_layers, in its order
+    weights: _Registered
     hooks: list[dict]  # each layer's forward hooks and forward pre-hooks (filled in place as hooks come)
 
 
@@ -79,6 +87,15 @@ class DecodeStack:
         self._mask_layers: list[weakref.ref] = []  # the cache layers _mask_askers was worked out for (weakly)
         self._mask_windows: list[int | None] = []  # and the layers' windows
         self._mask_askers: list[int] = []  # per layer, the first layer of its mask group
+
+    def __deepcopy__(self, memo) -> "DecodeStack":
+        return DecodeStack(self.parts)  # (a copy's weights are other tensors: gathered and registered anew)
+
+    def __getstate__(self) -> dict:
+        return {"parts": self.parts}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["parts"])
 
     def _current_plan(self, layers: torch.nn.ModuleList) -> _Plan | None:
         stores, keys, values = self._checked
@@ -114,14 +131,14 @@ class DecodeStack:
                     [len(m.formats) for m in linears])
 
         args = (
+            [p.attn.scaling for p in parts], [getattr(p.attn, "softcap", None) or 0.0 for p in parts],  # 0: none
             [p.input_norm.weight for p in parts], [_weight(p.attn.q_norm) for p in parts],
             [_weight(p.attn.k_norm) for p in parts], *segments([p.attn.qkv_proj for p in parts]),
             *segments([p.attn.o_proj for p in parts]), [_weight(p.post_attention) for p in parts],
             [p.pre_feedforward.weight for p in parts], [_weight(p.post_feedforward) for p in parts],
             *segments([p.mlp.gate_up_proj for p in parts]), *segments([p.mlp.down_proj for p in parts]),
             heads, kv_heads, eps, head_norms[0].eps if head_norms else 0.0, offset, act)
-        return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, [p.attn.scaling for p in parts],
-                     [getattr(p.attn, "softcap", None) or 0.0 for p in parts], args,
+        return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, _Registered(args),
                      [hooks for layer in layers for hooks in (layer._forward_hooks, layer._forward_pre_hooks)])
 
     def _layer_masks(self, masks, cache, windows: list[int | None]) -> list[torch.Tensor | None] | None:
@@ -144,12 +161,12 @@ class DecodeStack:
         return [asked[i][0] for i in self._mask_askers]
 
     def run(self, layers: torch.nn.ModuleList, x: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]],
-            masks, cache) -> torch.Tensor | None:
+            table_of: list[int], masks, cache) -> torch.Tensor | None:
         """The hidden states after every layer, or ``None`` (nothing done) where the fused op does not apply.
 
-        ``layers``: the decoder layers; ``x``: (B, T, hidden); ``tables``: each layer's rotary ``(cos, sin)``,
-        (B, T, D) each; ``masks``: the forward pass's :class:`~kvgen.models.base.LayerMasks`; ``cache``: the cache
-        to extend.
+        ``layers``: the decoder layers; ``x``: (B, T, hidden); ``tables``: the rotary ``(cos, sin)`` tables, (B, T,
+        D) each, layer ``i`` taking ``tables[table_of[i]]``; ``masks``: the forward pass's
+        :class:`~kvgen.models.base.LayerMasks`; ``cache``: the cache to extend.
         """
         b, t = x.shape[0], x.shape[1]
         if cache is None or not _native(x, b * t) or tables[0][0].dtype != torch.float32:
@@ -168,8 +185,8 @@ class DecodeStack:
             if reserved is None:
                 return None
             keys, values, starts, ends = zip(*reserved)
-            return torch.ops.kvgen.decoder_layers(x, [c for c, _ in tables], [s for _, s in tables], keys, values,
-                                                  starts, ends, layer_masks, plan.scales, plan.softcaps, *plan.args)
+            return torch.ops.kvgen.decoder_layers(x, [c for c, _ in tables], [s for _, s in tables], table_of, keys,
+                                                  values, starts, ends, layer_masks, plan.weights.id)
         except BaseException:
             cache.crop(length)  # slots reserved but not all written (a layer refusing them, a failing op)
             raise

@@ -280,7 +280,8 @@ class GemmaForCausalLM(PreTrainedModel):
                         SLIDING: {"cache_position": cache_position, "rotary_emb": local or full}}
         masks = LayerMasks(cache, cache_position, attention_mask)
         kinds = [SLIDING if kind == SLIDING else FULL for kind in self.config.layer_types]
-        stacked = self.decode_stack.run(self.model.layers, x, [tables[kind] for kind in kinds], masks, cache)
+        stacked = self.decode_stack.run(self.model.layers, x, [tables[FULL], tables[SLIDING]],
+                                        [int(kind == SLIDING) for kind in kinds], masks, cache)
         if stacked is not None:
             x = stacked
         else:

@@ -243,7 +243,7 @@ class LlamaForCausalLM(PreTrainedModel):
         masks = LayerMasks(cache, cache_position, attention_mask)
         cache_kwargs = {"cache_position": cache_position, "rotary_emb": self.model.rotary_emb}
         layers = self.model.layers
-        stacked = self.decode_stack.run(layers, x, [(cos, sin)] * len(layers), masks, cache)
+        stacked = self.decode_stack.run(layers, x, [(cos, sin)], [0] * len(layers), masks, cache)
         if stacked is not None:
             x = stacked
         else:
