@@ -1567,12 +1567,17 @@ struct AttentionArgs {
   float* out;  // (B, T, H, D)
 };
 
+// a few query rows' scores are taken CHUNK tiles at a time: one softmax pass (max, exp, rescaling of
+// the values so far) per 64 keys instead of per 16
+constexpr int64_t CHUNK = 4;
+
 // one thread's buffers for row blocks of at most `rows` (padded) query rows; left uninitialised
 struct Scratch {
   std::unique_ptr<float[]> buffer;
   float *qt, *sc, *m, *l, *alpha, *acc, *ktail, *vtail;
-  Scratch(int64_t rows, int64_t D) : buffer(new float[rows * (2 * D + TILE + 3) + 2 * TILE * D]) {
-    qt = buffer.get(), sc = qt + rows * D, m = sc + TILE * rows, l = m + rows, alpha = l + rows, acc = alpha + rows;
+  Scratch(int64_t rows, int64_t D) : buffer(new float[rows * (2 * D + CHUNK * TILE + 3) + 2 * TILE * D]) {
+    qt = buffer.get(), sc = qt + rows * D, m = sc + CHUNK * TILE * rows, l = m + rows, alpha = l + rows,
+    acc = alpha + rows;
     ktail = acc + rows * D, vtail = ktail + TILE * D;
   }
 };
@@ -1623,12 +1628,12 @@ inline void sum4(const vn* x, float* out) {
 }
 
 // for a few query rows: sc[r, s] = sum_d q[r, d] * k[s, d] for RR rows (q row-major, R x D) and
-// the 16 keys of a tile (sc row-major, the keys in lanes), as dot products along D, 4 keys at a time.
+// the 16 keys of a tile (sc row-major, rows ss apart, the keys in lanes), as dot products along D, 4 keys at a time.
 // ahead (or null): a later tile's keys (same stride), each vector of them prefetched into L2 as the
 // same vector of this tile is loaded
 template <int RR>
 __attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const float* k, int64_t ks, float* sc,
-                                               const float* ahead) {
+                                               int64_t ss, const float* ahead) {
   for (int64_t s0 = 0; s0 < TILE; s0 += 4) {
     vn acc[RR][4] = {};
     const float* kk = k + s0 * ks;
@@ -1652,12 +1657,12 @@ __attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const 
     for (int j = 0; j < RR; ++j) {
       float t[4];
       sum4(acc[j], t);
-      for (int i = 0; i < 4; ++i) sc[j * TILE + s0 + i] = t[i];
+      for (int i = 0; i < 4; ++i) sc[j * ss + s0 + i] = t[i];
     }
   }
 }
 
-// acc[i] = acc[i] * alpha[i] + sum_s p[s, i] * v[s] for RR consecutive query rows (acc rows of D
+// acc[i] = acc[i] * alpha[i] (alpha null: acc[i]) + sum_s p[s, i] * v[s] for RR consecutive query rows (acc rows of D
 // floats, value s at v + s * vs, p[s, i] at p + s * ps + i * pi), 16 columns at a time
 // (32 columns a pass where D allows on AVX-512: each broadcast weight then serves two multiply-adds).
 // ahead (or null): a later tile's values, prefetched into L2 vector by vector as tile_scores_dot does
@@ -1667,7 +1672,8 @@ void tile_values_by(float* acc, int64_t D, const float* p, int64_t ps, int64_t p
   for (int64_t d = 0; d < D; d += W * LN) {
     vn x[RR][W];
     for (int i = 0; i < RR; ++i)
-      for (int c = 0; c < W; ++c) x[i][c] = vload<vn>(acc + i * D + d + c * LN) * alpha[i];
+      for (int c = 0; c < W; ++c) x[i][c] = alpha ? vload<vn>(acc + i * D + d + c * LN) * alpha[i]
+                                                 : vload<vn>(acc + i * D + d + c * LN);
     for (int64_t s = 0; s < TILE; ++s) {
       vn y[W];
       for (int c = 0; ahead && c < W; ++c) __builtin_prefetch(ahead + s * vs + d + c * LN, 0, 2);
@@ -1689,6 +1695,24 @@ __attribute__((noinline)) void tile_values(float* acc, int64_t D, const float* p
   if (D % 32 == 0) return tile_values_by<RR, 2>(acc, D, p, ps, pi, alpha, v, vs, ahead);
 #endif
   tile_values_by<RR>(acc, D, p, ps, pi, alpha, v, vs, ahead);
+}
+
+// tile_values for R consecutive query rows (6 at a time, then the rest), acc R x D, p[s, i] at p + s * ps + i * pi
+inline void values_rows(int64_t R, float* acc, int64_t D, const float* p, int64_t ps, int64_t pi, const float* alpha,
+                        const float* v, int64_t vs, const float* ahead) {
+  int64_t r = 0;
+  for (; r + 6 <= R; r += 6)
+    tile_values<6>(acc + r * D, D, p + r * pi, ps, pi, alpha ? alpha + r : nullptr, v, vs, r ? nullptr : ahead);
+  float* ar = acc + r * D;
+  const float *pr = p + r * pi, *al = alpha ? alpha + r : nullptr, *va = r ? nullptr : ahead;
+  switch (R - r) {
+    case 1: tile_values<1>(ar, D, pr, ps, pi, al, v, vs, va); break;
+    case 2: tile_values<2>(ar, D, pr, ps, pi, al, v, vs, va); break;
+    case 3: tile_values<3>(ar, D, pr, ps, pi, al, v, vs, va); break;
+    case 4: tile_values<4>(ar, D, pr, ps, pi, al, v, vs, va); break;
+    case 5: tile_values<5>(ar, D, pr, ps, pi, al, v, vs, va); break;
+    default: break;
+  }
 }
 
 // the query rows of a row block: R = n * G, padded to Rp lanes
@@ -1726,92 +1750,118 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
         __builtin_prefetch(vb_ + s * a.v2 + d);
       }
   };
-  // few rows: the tile AHEAD tiles on is prefetched into L2 while this one is computed, a vector per
-  // vector loaded (one burst of a whole tile into L1 per tile, as for many rows, left the reads and
-  // the arithmetic of a decode step's attention one after the other: Zen 4, keys and values from
-  // memory, 2 threads, 1.2-1.3x faster, 1-3 tiles ahead alike); many rows: the next tile in a burst
-  constexpr int64_t AHEAD = 2;
-  for (int64_t c = c0; c < std::min(c1, c0 + (dots ? AHEAD : 1)); ++c) prefetch(c);
-  for (int64_t c = c0; c < c1; ++c) {
-    if (!dots && c + 1 < c1) prefetch(c + 1);
-    const float *kahead = nullptr, *vahead = nullptr;  // a whole tile AHEAD on (a cut last tile is not)
-    if (dots && c + AHEAD < c1 && (int64_t)(blk.tiles[c + AHEAD] >> 1) * TILE + TILE <= S) {
-      const int64_t sa = (int64_t)(blk.tiles[c + AHEAD] >> 1) * TILE;
-      kahead = kb + sa * a.k2, vahead = vb_ + sa * a.v2;
+  constexpr int64_t AHEAD = 2;  // few rows: tiles prefetched ahead
+  auto cut_tail = [&](int64_t s0, const float*& kt, const float*& vt, int64_t& ks, int64_t& vs) {
+    if (s0 + TILE <= S) return;  // the last tile, cut short: its keys and values padded with zeros
+    std::fill(w.ktail, w.ktail + TILE * D, 0.0f);
+    std::fill(w.vtail, w.vtail + TILE * D, 0.0f);
+    for (int64_t s = 0; s < S - s0; ++s) {
+      std::copy(kt + s * ks, kt + s * ks + D, w.ktail + s * D);
+      std::copy(vt + s * vs, vt + s * vs + D, w.vtail + s * D);
     }
-    const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
-    const float *kt = kb + s0 * a.k2, *vt = vb_ + s0 * a.v2;
-    int64_t ks = a.k2, vs = a.v2;
-    if (s0 + TILE > S) {  // the last tile, cut short: its keys and values padded with zeros
-      std::fill(w.ktail, w.ktail + TILE * D, 0.0f);
-      std::fill(w.vtail, w.vtail + TILE * D, 0.0f);
-      for (int64_t s = 0; s < S - s0; ++s) {
-        std::copy(kt + s * ks, kt + s * ks + D, w.ktail + s * D);
-        std::copy(vt + s * vs, vt + s * vs + D, w.vtail + s * D);
-      }
-      kt = w.ktail, vt = w.vtail, ks = vs = D;
-    }
-    int64_t r = 0;
-    if (dots) {
+    kt = w.ktail, vt = w.vtail, ks = vs = D;
+  };
+  // the score of key s of a tile for row r: sc[r * row_stride + s * key_stride], -inf where the mask excludes it
+  auto exclude = [&](int64_t c, int64_t s0, float* scores, int64_t key_stride, int64_t row_stride) {
+    if (blk.tiles[c] & 1) return;  // every key of the tile allowed for every row
+    for (int64_t s = 0; s < TILE; ++s)
+      for (int64_t p = 0; p < n; ++p)
+        if (s0 + s >= S || (mrows && !mrows[p * S + s0 + s]))
+          for (int64_t h = 0; h < G; ++h) scores[s * key_stride + (p * G + h) * row_stride] = -INFINITY;
+  };
+  if (dots) {
+    // few rows: dot products along D; CHUNK tiles' scores, one softmax pass over them, then their values.
+    // The tile AHEAD tiles on is prefetched into L2 while this one is computed, a vector per vector
+    // loaded (one burst of a whole tile into L1 per tile left the reads and the arithmetic of a decode
+    // step's attention one after the other: Zen 4, keys and values from memory, 2 threads, 1.2-1.3x
+    // faster, 1-3 tiles ahead alike)
+    constexpr int64_t CT = CHUNK * TILE;  // a row's scores in sc
+    for (int64_t c = c0; c < std::min(c1, c0 + AHEAD); ++c) prefetch(c);
+    for (int64_t cc = c0; cc < c1; cc += CHUNK) {
+      const int64_t count = std::min(CHUNK, c1 - cc), keys = count * TILE;
+      const float *vts[CHUNK], *vaheads[CHUNK];
+      int64_t vss[CHUNK];
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t c = cc + j, s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
+        const float* kahead = nullptr;  // a whole tile AHEAD on (a cut last tile is not)
+        vaheads[j] = nullptr;
+        if (c + AHEAD < c1 && (int64_t)(blk.tiles[c + AHEAD] >> 1) * TILE + TILE <= S) {
+          const int64_t sa = (int64_t)(blk.tiles[c + AHEAD] >> 1) * TILE;
+          kahead = kb + sa * a.k2, vaheads[j] = vb_ + sa * a.v2;
+        }
+        const float* kt = kb + s0 * a.k2;
+        int64_t ks = a.k2;
+        vts[j] = vb_ + s0 * a.v2, vss[j] = a.v2;
+        cut_tail(s0, kt, vts[j], ks, vss[j]);
+        float* scj = sc + j * TILE;
+        int64_t r = 0;
 #if defined(__AVX512F__)  // 16 accumulators: each key vector loaded serves 4 rows (32 registers)
-      for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, sc + r * TILE, r ? nullptr : kahead);
-      if (R - r == 3) tile_scores_dot<3>(qt + r * D, D, kt, ks, sc + r * TILE, r ? nullptr : kahead), r += 3;
+        for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
+        if (R - r == 3) tile_scores_dot<3>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead), r += 3;
 #endif
-      for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, sc + r * TILE, r ? nullptr : kahead);
-      if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, sc + r * TILE, r ? nullptr : kahead);
-    } else {
+        for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
+        if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
+        if (a.cap > 0.0f)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t i = 0; i < TILE; i += LN) vstore(scj + r * CT + i, vtanh(vload<vn>(scj + r * CT + i) / a.cap) * a.cap);
+        exclude(c, s0, scj, 1, CT);
+      }
+      for (int64_t r = 0; r < R; ++r) {  // online softmax over the chunk's keys, in lanes
+        float* row = sc + r * CT;
+        vn mx = vload<vn>(row);
+        for (int64_t i = LN; i < keys; i += LN) mx = vmax(mx, vload<vn>(row + i));
+        float top = mx[0];
+        for (int64_t j = 1; j < LN; ++j) top = std::max(top, mx[j]);
+        const float mn = std::max(m[r], top), base = mn == -INFINITY ? 0.0f : mn;  // nothing allowed yet: exp(-inf) = 0
+        vn sum[DC] = {};
+        for (int64_t i = 0; i < keys; i += TILE)
+          for (int c = 0; c < DC; ++c) {
+            const vn e = vexp(vload<vn>(row + i + c * LN) - base);
+            vstore(row + i + c * LN, e);
+            sum[c] += e;
+          }
+        const float al = vexp(vn{} + (m[r] - base))[0];
+        l[r] = l[r] * al + hsum(sum);
+        m[r] = mn;
+        alpha[r] = al;
+      }
+      for (int64_t j = 0; j < count; ++j)  // the values so far rescaled once, with the chunk's first tile
+        values_rows(R, acc, D, sc + j * TILE, 1, CT, j ? nullptr : alpha, vts[j], vss[j], vaheads[j]);
+    }
+  } else {
+    // many rows: the rows in vector lanes, the next tile prefetched in a burst
+    for (int64_t c = c0; c < c1; ++c) {
+      if (c == c0) prefetch(c);
+      if (c + 1 < c1) prefetch(c + 1);
+      const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
+      const float *kt = kb + s0 * a.k2, *vt = vb_ + s0 * a.v2;
+      int64_t ks = a.k2, vs = a.v2;
+      cut_tail(s0, kt, vt, ks, vs);
+      int64_t r = 0;
       for (; r + 3 * LN <= Rp; r += 3 * LN) tile_scores<3, 4>(qt + r, Rp, kt, ks, D, sc + r);
       if (r + 2 * LN <= Rp) tile_scores<2, 4>(qt + r, Rp, kt, ks, D, sc + r);
       else if (r < Rp) tile_scores<1, 8>(qt + r, Rp, kt, ks, D, sc + r);
-    }
-    // the score of key s for row r: sc[r, s] (dots) or sc[s, r]
-    const int64_t key_stride = dots ? 1 : Rp, row_stride = dots ? TILE : 1;
-    if (a.cap > 0.0f)
-      for (int64_t i = 0; i < TILE * (dots ? R : Rp); i += LN) vstore(sc + i, vtanh(vload<vn>(sc + i) / a.cap) * a.cap);
-    if (!(blk.tiles[c] & 1))  // some key of the tile excluded for some row: -inf, exactly excluded
-      for (int64_t s = 0; s < TILE; ++s)
-        for (int64_t p = 0; p < n; ++p)
-          if (s0 + s >= S || (mrows && !mrows[p * S + s0 + s]))
-            for (int64_t h = 0; h < G; ++h) sc[s * key_stride + (p * G + h) * row_stride] = -INFINITY;
-    for (int64_t r = 0; dots && r < R; ++r) {  // online softmax, one row's 16 keys in lanes
-      vn x[DC], mx = vload<vn>(sc + r * TILE);
-      for (int c = 0; c < DC; ++c) mx = vmax(mx, x[c] = vload<vn>(sc + r * TILE + c * LN));
-      float top = mx[0];
-      for (int64_t j = 1; j < LN; ++j) top = std::max(top, mx[j]);
-      const float mn = std::max(m[r], top), base = mn == -INFINITY ? 0.0f : mn;  // nothing allowed yet: exp(-inf) = 0
-      for (int c = 0; c < DC; ++c) vstore(sc + r * TILE + c * LN, x[c] = vexp(x[c] - base));
-      const float al = vexp(vn{} + (m[r] - base))[0];
-      l[r] = l[r] * al + hsum(x);
-      m[r] = mn;
-      alpha[r] = al;
-    }
-    for (int64_t r = 0; !dots && r < Rp; r += LN) {  // online softmax, one lane per query row
-      vn mx = vload<vn>(sc + r);
-      for (int64_t s = 1; s < TILE; ++s) mx = vmax(mx, vload<vn>(sc + s * Rp + r));
-      const vn mo = vload<vn>(m + r), mn = vmax(mo, mx);
-      const vn base = mn == -INFINITY ? vn{} : mn;  // a row with nothing allowed yet: exp(-inf) = 0
-      const vn al = vexp(mo - base);
-      vn sum = {};
-      for (int64_t s = 0; s < TILE; ++s) {
-        const vn e = vexp(vload<vn>(sc + s * Rp + r) - base);
-        vstore(sc + s * Rp + r, e);
-        sum += e;
+      // the score of key s for row r: sc[s, r]
+      if (a.cap > 0.0f)
+        for (int64_t i = 0; i < TILE * Rp; i += LN) vstore(sc + i, vtanh(vload<vn>(sc + i) / a.cap) * a.cap);
+      exclude(c, s0, sc, Rp, 1);
+      for (int64_t r = 0; r < Rp; r += LN) {  // online softmax, one lane per query row
+        vn mx = vload<vn>(sc + r);
+        for (int64_t s = 1; s < TILE; ++s) mx = vmax(mx, vload<vn>(sc + s * Rp + r));
+        const vn mo = vload<vn>(m + r), mn = vmax(mo, mx);
+        const vn base = mn == -INFINITY ? vn{} : mn;  // a row with nothing allowed yet: exp(-inf) = 0
+        const vn al = vexp(mo - base);
+        vn sum = {};
+        for (int64_t s = 0; s < TILE; ++s) {
+          const vn e = vexp(vload<vn>(sc + s * Rp + r) - base);
+          vstore(sc + s * Rp + r, e);
+          sum += e;
+        }
+        vstore(l + r, vload<vn>(l + r) * al + sum);
+        vstore(m + r, mn);
+        vstore(alpha + r, al);
       }
-      vstore(l + r, vload<vn>(l + r) * al + sum);
-      vstore(m + r, mn);
-      vstore(alpha + r, al);
-    }
-    for (r = 0; r + 6 <= R; r += 6)
-      tile_values<6>(acc + r * D, D, sc + r * row_stride, key_stride, row_stride, alpha + r, vt, vs,
-                     r ? nullptr : vahead);
-    const float *pr = sc + r * row_stride, *va = r ? nullptr : vahead;
-    switch (R - r) {
-      case 1: tile_values<1>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
-      case 2: tile_values<2>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
-      case 3: tile_values<3>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
-      case 4: tile_values<4>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
-      case 5: tile_values<5>(acc + r * D, D, pr, key_stride, row_stride, alpha + r, vt, vs, va); break;
-      default: break;
+      values_rows(R, acc, D, sc, Rp, 1, alpha, vt, vs, nullptr);
     }
   }
   if (part) {
