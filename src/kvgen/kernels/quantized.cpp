@@ -1677,7 +1677,12 @@ void tile_values_by(float* acc, int64_t D, const float* p, int64_t ps, int64_t p
     for (int64_t s = 0; s < TILE; ++s) {
       vn y[W];
       for (int c = 0; ahead && c < W; ++c) __builtin_prefetch(ahead + s * vs + d + c * LN, 0, 2);
-      for (int c = 0; c < W; ++c) y[c] = vload<vn>(v + s * vs + d + c * LN);
+      for (int c = 0; c < W; ++c) {
+        y[c] = vload<vn>(v + s * vs + d + c * LN);
+#if defined(__AVX512F__)
+        asm("" : "+v"(y[c]));  // loaded once: GCC would fold the load into each row's multiply-add (Zen 4: load-bound)
+#endif
+      }
       for (int i = 0; i < RR; ++i) {
         const float w = p[s * ps + i * pi];
         for (int c = 0; c < W; ++c) x[i][c] += y[c] * w;
