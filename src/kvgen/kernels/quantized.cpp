@@ -1628,7 +1628,8 @@ inline void sum4(const vn* x, float* out) {
 }
 
 // for a few query rows: sc[r, s] = sum_d q[r, d] * k[s, d] for RR rows (q row-major, R x D) and
-// the 16 keys of a tile (sc row-major, rows ss apart, the keys in lanes), as dot products along D, 4 keys at a time.
+// the 16 keys of a tile (sc row-major, rows ss apart, the keys in lanes), as dot products along D, 4 keys
+// at a time.
 // ahead (or null): a later tile's keys (same stride), each vector of them prefetched into L2 as the
 // same vector of this tile is loaded
 template <int RR>
@@ -1808,7 +1809,8 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
         if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
         if (a.cap > 0.0f)
           for (int64_t r = 0; r < R; ++r)
-            for (int64_t i = 0; i < TILE; i += LN) vstore(scj + r * CT + i, vtanh(vload<vn>(scj + r * CT + i) / a.cap) * a.cap);
+            for (int64_t i = r * CT; i < r * CT + TILE; i += LN)
+              vstore(scj + i, vtanh(vload<vn>(scj + i) / a.cap) * a.cap);
         exclude(c, s0, scj, 1, CT);
       }
       for (int64_t r = 0; r < R; ++r) {  // online softmax over the chunk's keys, in lanes
@@ -1817,7 +1819,8 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
         for (int64_t i = LN; i < keys; i += LN) mx = vmax(mx, vload<vn>(row + i));
         float top = mx[0];
         for (int64_t j = 1; j < LN; ++j) top = std::max(top, mx[j]);
-        const float mn = std::max(m[r], top), base = mn == -INFINITY ? 0.0f : mn;  // nothing allowed yet: exp(-inf) = 0
+        // (nothing allowed yet: exp(-inf) = 0)
+        const float mn = std::max(m[r], top), base = mn == -INFINITY ? 0.0f : mn;
         vn sum[DC] = {};
         for (int64_t i = 0; i < keys; i += TILE)
           for (int c = 0; c < DC; ++c) {
@@ -2243,8 +2246,9 @@ std::vector<int64_t> firsts(at::TensorList ws, at::IntArrayRef formats, at::IntA
 int64_t decoder_stack(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps, at::TensorList input_norms,
                       const c10::List<c10::optional<at::Tensor>>& q_norms,
                       const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList qkv,
-                      at::IntArrayRef qkv_formats, at::IntArrayRef qkv_counts, at::TensorList o, at::IntArrayRef o_formats,
-                      at::IntArrayRef o_counts, const c10::List<c10::optional<at::Tensor>>& post_attention,
+                      at::IntArrayRef qkv_formats, at::IntArrayRef qkv_counts, at::TensorList o,
+                      at::IntArrayRef o_formats, at::IntArrayRef o_counts,
+                      const c10::List<c10::optional<at::Tensor>>& post_attention,
                       at::TensorList pre_feedforward, const c10::List<c10::optional<at::Tensor>>& post_feedforward,
                       at::TensorList gate_up, at::IntArrayRef gate_up_formats, at::IntArrayRef gate_up_counts,
                       at::TensorList down, at::IntArrayRef down_formats, at::IntArrayRef down_counts, int64_t H,
