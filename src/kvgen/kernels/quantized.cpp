@@ -2206,8 +2206,8 @@ void store_last(const at::Tensor& buffer, const at::Tensor& fresh) {
 }
 
 // A decode stack's weight-side arguments, registered once (kvgen::decoder_stack) and named by an id
-// in each step's kvgen::decoder_layers: the ~300 tensors of SmolLM2's 30 layers, converted from
-// Python lists at every call, cost a step ~0.13 ms (measured around the op, cold caches).
+// in each step's kvgen::decoder_layers, rather than the ~300 tensors of SmolLM2's 30 layers converted
+// from Python lists at every call (a SmolLM2 step 0.99-1.04x faster, Zen 4, 2 threads).
 struct StackWeights {
   std::vector<at::Tensor> input_norms, qkv, o, pre_feedforward, gate_up, down;
   std::vector<c10::optional<at::Tensor>> q_norms, k_norms, post_attention, post_feedforward;
