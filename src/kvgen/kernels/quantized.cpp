@@ -1296,50 +1296,73 @@ void check_weight(const at::Tensor& w, int64_t K, int64_t QK, int64_t BYTES, boo
               " bytes, not what ", K, " input features need");
 }
 
-// x (R, K) float32 rows times the row segments ws[i] (each in formats[i]) -> (R, sum of their rows).
-// One parallel loop over all output rows: a fused projection stored in several tensors (q, k
-// and v; gate and up) or formats is one call, its parts read where they are stored.
-at::Tensor qmatmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef formats) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "kvgen: x must be (rows, K) float32");
-  TORCH_CHECK(ws.size() == formats.size() && !ws.empty(), "kvgen: one format per weight segment");
-  const int64_t R = x.size(0), K = x.size(1), ldx = x.stride(0);
-  const float* xp = x.data_ptr<float>();
-  struct Segment { int64_t format, start, rows, row_bytes; const uint8_t* w; std::vector<float> xsum; };
+// A product's weight: its row segments ws[i] (each in formats[i]) checked and taken apart once, so
+// that a registered decode stack (kvgen::decoder_stack) does not redo it at every step.
+struct Product {
+  struct Segment { int64_t format, start, rows, row_bytes; const uint8_t* w; };
   std::vector<Segment> segments;
-  int64_t N = 0;
+  std::vector<at::Tensor> held;  // the tensors behind the segments
+  int64_t K = 0, N = 0;  // input features, output rows
   bool rounded = false;  // some segment takes integer dot products: x rounded once for all of them
   bool biased = false;  // and some of those adds a bias to its values (Q8_0): sums of each level needed
+};
+
+Product make_product(at::TensorList ws, at::IntArrayRef formats, int64_t K) {
+  TORCH_CHECK(ws.size() == formats.size() && !ws.empty(), "kvgen: one format per weight segment");
+  Product p;
+  p.K = K;
   for (size_t i = 0; i < ws.size(); ++i) {
     dispatch(formats[i], [&](auto t) {
       using T = decltype(t);
       check_weight(ws[i], K, T::QK, T::BYTES, has_row_scale<T>(), tile_rows<T>());
-      rounded |= has_dot<T>();
-      biased |= requires { T::BIAS; };
-      segments.push_back({formats[i], N, ws[i].size(0), ws[i].stride(0), ws[i].data_ptr<uint8_t>(),
-                          has_dot<T>() ? std::vector<float>() : group_sums<T>(xp, ldx, R, K)});
+      p.rounded |= has_dot<T>();
+      p.biased |= requires { T::BIAS; };
     });
-    N += ws[i].size(0);
+    p.segments.push_back({formats[i], p.N, ws[i].size(0), ws[i].stride(0), ws[i].data_ptr<uint8_t>()});
+    p.held.push_back(ws[i]);
+    p.N += ws[i].size(0);
   }
+  return p;
+}
+
+// y (R, N) = x (R, K, rows ldx apart) times the product's weight. One parallel loop over all output
+// rows: a fused projection stored in several tensors (q, k and v; gate and up) or formats is one
+// loop, its parts read where they are stored.
+void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp) {
+  const int64_t K = p.K, N = p.N;
+  std::vector<std::vector<float>> xsums(p.segments.size());
+  for (size_t i = 0; i < p.segments.size(); ++i)
+    dispatch(p.segments[i].format, [&](auto t) {
+      using T = decltype(t);
+      if constexpr (!has_dot<T>()) xsums[i] = group_sums<T>(xp, ldx, R, K);
+    });
 #if defined(KVGEN_DOT8)
-  const RoundedX rx = rounded ? round_x(xp, ldx, R, K, biased) : RoundedX{};
+  const RoundedX rx = p.rounded ? round_x(xp, ldx, R, K, p.biased) : RoundedX{};
 #else
   const RoundedX rx;
 #endif
-  at::Tensor y = at::empty({R, N}, x.options());
-  float* yp = y.data_ptr<float>();
   // grain: enough output rows per task that a task streams a few kB of weights
-  const int64_t grain = std::max<int64_t>(1, 16384 / segments[0].row_bytes);
+  const int64_t grain = std::max<int64_t>(1, 16384 / p.segments[0].row_bytes);
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (const Segment& seg : segments) {
+    for (size_t i = 0; i < p.segments.size(); ++i) {
+      const Product::Segment& seg = p.segments[i];
       const int64_t lo = std::max(n0, seg.start), hi = std::min(n1, seg.start + seg.rows);
       if (lo >= hi) continue;
       dispatch(seg.format, [&](auto t) {
         using T = decltype(t);
-        matmul_range<T>(xp, ldx, R, seg.xsum.data(), rx, seg.w, seg.row_bytes, lo - seg.start, hi - seg.start, K,
+        matmul_range<T>(xp, ldx, R, xsums[i].data(), rx, seg.w, seg.row_bytes, lo - seg.start, hi - seg.start, K,
                         yp + seg.start, N);
       });
     }
   });
+}
+
+// x (R, K) float32 rows times the row segments ws[i] (each in formats[i]) -> (R, sum of their rows)
+at::Tensor qmatmul(const at::Tensor& x, at::TensorList ws, at::IntArrayRef formats) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "kvgen: x must be (rows, K) float32");
+  const Product p = make_product(ws, formats, x.size(1));
+  at::Tensor y = at::empty({x.size(0), p.N}, x.options());
+  product_into(p, x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>());
   return y;
 }
 
@@ -1451,6 +1474,13 @@ inline void rms_row(const float* x, const float* w, int64_t D, double eps, float
   for (int64_t j = 0; j < D; ++j) y[j] = x[j] * scale * (w[j] + offset);
 }
 
+// rows of D values: y = rms_norm(x) * (w + offset), rows in parallel (y may be x)
+void rms_rows(const float* x, const float* w, int64_t rows, int64_t D, double eps, double offset, float* y) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {  // ~64 kB a task
+    for (int64_t r = r0; r < r1; ++r) rms_row(x + r * D, w, D, eps, y + r * D, (float)offset);
+  });
+}
+
 // x (rows, D) float32 contiguous -> x / sqrt(mean(x^2) + eps) * (weight + offset), one pass per row
 at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && weight.scalar_type() == at::kFloat &&
@@ -1459,9 +1489,7 @@ at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double
   at::Tensor y = at::empty(x.sizes(), x.options());
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / D), [&](int64_t r0, int64_t r1) {  // ~64 kB a task
-    for (int64_t r = r0; r < r1; ++r) rms_row(xp + r * D, wp, D, eps, yp + r * D, (float)offset);
-  });
+  rms_rows(xp, wp, rows, D, eps, offset, yp);
   return y;
 }
 
@@ -1887,28 +1915,32 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
     }
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
-                     double scale, double softcap) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
-              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "kvgen: attention takes 4-D float32");
-  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(D % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0,
-              "kvgen: attention needs a head size that is a multiple of 16 and contiguous heads");
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
-              v.size(3) == D, "kvgen: attention's keys and values must be (B, Hkv, S, D)");
-  const bool masked = mask.has_value() && mask->defined();
-  at::Tensor m;
-  if (masked) {
-    m = mask->contiguous();
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) &&
-                m.size(1) == 1 && m.size(2) == T && m.size(3) == S,
-                "kvgen: attention mask must be bool (B or 1, 1, T, S)");
-  }
-  at::Tensor out = at::empty({B, T, H, D}, q.options());
-  if (B == 0 || T == 0 || H == 0) return out.transpose(1, 2);
-  if (S == 0) return out.zero_().transpose(1, 2);
-  const uint8_t* mp = masked ? reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()) : nullptr;
-  const int64_t MB = masked ? m.size(0) : 1, G = H / Hkv;
+// The work of one attention call, worked out before any key is read: which tiles each block of
+// query rows attends to, and the items (a key head of a row block, over a range of its tiles)
+// handed to the threads. It depends on the shapes, the mask and the thread count only, so a decode
+// step's layers that attend over as many keys without a mask share one.
+struct AttentionPlan {
+  struct Item {
+    int64_t b, g, blk, c0, c1, split, part, cost;
+  };
+  struct Split {
+    int64_t b, g, blk, part0, parts;
+  };
+  std::vector<RowBlock> blocks;
+  std::vector<Item> items;
+  std::vector<Split> splits;
+  std::vector<int64_t> order;  // items, costliest first
+  int64_t nparts = 0, RMAX = 0, threads = 0;  // RMAX: query rows of the largest row block, padded
+};
+
+// B batch rows of T query positions, H heads in Hkv groups of G, S keys; mp: bool (MB, T, S) or null
+AttentionPlan plan_attention(int64_t B, int64_t T, int64_t Hkv, int64_t G, int64_t S, const uint8_t* mp,
+                             int64_t MB) {
+  AttentionPlan plan;
+  std::vector<RowBlock>& blocks = plan.blocks;
+  std::vector<AttentionPlan::Item>& items = plan.items;
+  std::vector<AttentionPlan::Split>& splits = plan.splits;
+  const bool masked = mp != nullptr;
   const int64_t NT = (S + TILE - 1) / TILE, W = (NT + 63) / 64;
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(32, 64 / G));  // positions per row block
   // 1. which tiles each mask row allows
@@ -1918,7 +1950,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       for (int64_t i = i0; i < i1; ++i) scan_mask_row(mp + i * S, S, any.data() + i * W, full.data() + i * W);
     });
   // 2. row blocks
-  std::vector<RowBlock> blocks;
   std::vector<int64_t> first(MB + 1);
   std::vector<uint64_t> U(W), F(W);
   for (int64_t mr = 0; mr < MB; ++mr) {
@@ -1959,14 +1990,6 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
   first[MB] = blocks.size();
   // 3. work items, split where one would hold more than its share
-  struct Item {
-    int64_t b, g, blk, c0, c1, split, part, cost;
-  };
-  struct Split {
-    int64_t b, g, blk, part0, parts;
-  };
-  std::vector<Item> items;
-  std::vector<Split> splits;
   const int64_t threads = at::get_num_threads();
   auto rows_of = [&](const RowBlock& blk) { return padded_rows(blk.n * G); };
   auto mrow_of = [&](int64_t b) { return MB == 1 ? 0 : b; };
@@ -1975,7 +1998,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     for (int64_t i = first[mrow_of(b)]; i < first[mrow_of(b) + 1]; ++i)
       total += Hkv * ((int64_t)blocks[i].tiles.size() + 1) * rows_of(blocks[i]);
   const int64_t share = threads > 1 ? std::max<int64_t>(1, total / (4 * threads)) : INT64_MAX;
-  int64_t nparts = 0;
+  int64_t& nparts = plan.nparts;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t i = first[mrow_of(b)]; i < first[mrow_of(b) + 1]; ++i)
       for (int64_t g = 0; g < Hkv; ++g) {
@@ -1988,21 +2011,26 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           items.push_back({b, g, i, c0, c1, split, pieces > 1 ? nparts++ : -1, (c1 - c0 + 1) * rows_of(blocks[i])});
         }
       }
-  std::vector<int64_t> order(items.size());
+  std::vector<int64_t>& order = plan.order;
+  order.resize(items.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return items[x].cost > items[y].cost; });
   int64_t most = 1;  // positions in the largest row block
   for (const RowBlock& blk : blocks) most = std::max(most, blk.n);
-  const int64_t RMAX = padded_rows(most * G), slot = RMAX * (D + 2);
-  std::vector<float> parts(nparts * slot);
-  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[splits.size()]);
-  for (size_t i = 0; i < splits.size(); ++i) pending[i].store(splits[i].parts, std::memory_order_relaxed);
-  const AttentionArgs args{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
-                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                           v.stride(0), v.stride(1), v.stride(2), mp, T, S, H, G, D, (float)scale, (float)softcap,
-                           out.data_ptr<float>()};
+  plan.RMAX = padded_rows(most * G);
+  plan.threads = threads;
+  return plan;
+}
+
+// attends as planned, into args.out (B, T, H, D)
+void attend(const AttentionPlan& plan, const AttentionArgs& args) {
+  const std::vector<RowBlock>& blocks = plan.blocks;
+  const int64_t T = args.T, H = args.H, G = args.G, D = args.D, RMAX = plan.RMAX, slot = RMAX * (D + 2);
+  std::vector<float> parts(plan.nparts * slot);
+  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[plan.splits.size()]);
+  for (size_t i = 0; i < plan.splits.size(); ++i) pending[i].store(plan.splits[i].parts, std::memory_order_relaxed);
   // a split item's partial states (max, sum, values per query row) merged into the output
-  auto merge = [&](const Split& sp, float* acc) {
+  auto merge = [&](const AttentionPlan::Split& sp, float* acc) {
     const RowBlock& blk = blocks[sp.blk];
     const int64_t Rp = padded_rows(blk.n * G);
     for (int64_t p = 0; p < blk.n; ++p)
@@ -2027,17 +2055,46 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   // 4. attend, items handed out costliest first; the last part of a split item to finish merges
   // them (one parallel region: each region can wait a time slice for a thread on a busy host)
   std::atomic<int64_t> next{0};
-  const int64_t nitems = items.size();
-  at::parallel_for(0, std::min(threads, nitems), 1, [&](int64_t, int64_t) {
+  const int64_t nitems = plan.items.size();
+  at::parallel_for(0, std::min(plan.threads, nitems), 1, [&](int64_t, int64_t) {
     Scratch w(RMAX, D);
     for (int64_t i = next++; i < nitems; i = next++) {
-      const Item& it = items[order[i]];
+      const AttentionPlan::Item& it = plan.items[plan.order[i]];
       float* part = it.part >= 0 ? parts.data() + it.part * slot : nullptr;
       attend_tiles(args, it.b, it.g, blocks[it.blk], it.c0, it.c1, w, part);
       if (it.split >= 0 && pending[it.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge(splits[it.split], w.acc);
+        merge(plan.splits[it.split], w.acc);
     }
   });
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                     double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "kvgen: attention takes 4-D float32");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(D % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0,
+              "kvgen: attention needs a head size that is a multiple of 16 and contiguous heads");
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
+              v.size(3) == D, "kvgen: attention's keys and values must be (B, Hkv, S, D)");
+  const bool masked = mask.has_value() && mask->defined();
+  at::Tensor m;
+  if (masked) {
+    m = mask->contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) &&
+                m.size(1) == 1 && m.size(2) == T && m.size(3) == S,
+                "kvgen: attention mask must be bool (B or 1, 1, T, S)");
+  }
+  at::Tensor out = at::empty({B, T, H, D}, q.options());
+  if (B == 0 || T == 0 || H == 0) return out.transpose(1, 2);
+  if (S == 0) return out.zero_().transpose(1, 2);
+  const uint8_t* mp = masked ? reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()) : nullptr;
+  const AttentionPlan plan = plan_attention(B, T, Hkv, H / Hkv, S, mp, masked ? m.size(0) : 1);
+  const AttentionArgs args{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                           v.stride(0), v.stride(1), v.stride(2), mp, T, S, H, H / Hkv, D, (float)scale, (float)softcap,
+                           out.data_ptr<float>()};
+  attend(plan, args);
   return out.transpose(1, 2);
 }
 
@@ -2049,10 +2106,57 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // steps in the same order, each product rounded before its sum), so the two paths agree up to the
 // last bit of the activation's exp / tanh.
 
+// Where a layer's queries, keys and values go: (B, heads, T, D) rows at p + b * s0 + h * s1 + t * s2.
+struct Heads {
+  float* p;
+  int64_t s0, s1, s2;
+};
+
+// The heads of a fused q/k/v product's rows (B * T rows of (H + 2 Hkv) D values): optional RMSNorm
+// of each query / key head (Qwen3, Gemma 3), rotary on the query and key heads (cos/sin (B * T, D),
+// sin's first half negated: rotated = x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary),
+// written to q, k and v.
+void rotate_heads(const float* src, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* cp,
+                  const float* sp, const float* qn, const float* kn, double head_eps, double offset, Heads q, Heads k,
+                  Heads v) {
+  const int64_t runs = D / 16, half = runs / 2, width = (H + 2 * Hkv) * D;
+  // rows in parallel (a prefill's; a decode step's few rows stay on this thread)
+  at::parallel_for(0, B * T, std::max<int64_t>(1, 4096 / width), [&](int64_t r0, int64_t r1) {
+    std::vector<float> normed(D);
+    for (int64_t bt = r0; bt < r1; ++bt) {
+      const int64_t b = bt / T, t = bt % T;
+      const float *row = src + bt * width, *cr = cp + bt * D, *sr = sp + bt * D;
+      for (int64_t h = 0; h < H + 2 * Hkv; ++h) {
+        const float* in = row + h * D;
+        float* out = h < H ? q.p + b * q.s0 + h * q.s1 + t * q.s2
+                   : h < H + Hkv ? k.p + b * k.s0 + (h - H) * k.s1 + t * k.s2
+                                 : v.p + b * v.s0 + (h - H - Hkv) * v.s1 + t * v.s2;
+        if (h >= H + Hkv) {
+          std::memcpy(out, in, D * sizeof(float));
+          continue;
+        }
+        const float* head_norm = h < H ? qn : kn;
+        if (head_norm != nullptr) {
+          rms_row(in, head_norm, D, head_eps, normed.data(), (float)offset);
+          in = normed.data();
+        }
+        for (int64_t j = 0; j < runs; ++j) {  // rolled by D / 2: run j reads run (j + half) mod runs
+          const vf a = round(loadf(in + 16 * j) * loadf(cr + 16 * j));
+          const vf r = round(loadf(in + 16 * ((j + half) % runs)) * loadf(sr + 16 * j));
+          const vf sum = a + r;
+          std::memcpy(out + 16 * j, &sum, 64);
+        }
+      }
+    }
+  });
+}
+
+const float* data_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
 // rms_norm(x) -> one fused q/k/v product -> optional RMSNorm of each query / key head (Qwen3,
-// Gemma 3) -> rotary on the query and key heads. x (B, T, hidden), B * T <= 8 rows; cos/sin
-// (B, T, D) with sin's first half negated (rotated = x * cos + roll(x, D / 2) * sin, as
-// kvgen.rope.apply_rotary). Returns q (B, H, T, D), k and v (B, Hkv, T, D), contiguous.
+// Gemma 3) -> rotary on the query and key heads. x (B, T, hidden); cos/sin (B, T, D) with sin's first
+// half negated (rotated = x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary). Returns q (B,
+// H, T, D), k and v (B, Hkv, T, D), contiguous.
 std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::Tensor& norm, double eps,
                                                  at::TensorList ws, at::IntArrayRef formats, const at::Tensor& cos,
                                                  const at::Tensor& sin, int64_t H, int64_t Hkv,
@@ -2073,69 +2177,22 @@ std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
   at::Tensor q = at::empty({B, H, T, D}, x.options()), k = at::empty({B, Hkv, T, D}, x.options()),
              v = at::empty({B, Hkv, T, D}, x.options());
-  const float *src = qkv.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = sn.data_ptr<float>();
-  const float* qn = q_norm.has_value() ? q_norm->data_ptr<float>() : nullptr;
-  const float* kn = k_norm.has_value() ? k_norm->data_ptr<float>() : nullptr;
-  const int64_t runs = D / 16, half = runs / 2;
-  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  // rows in parallel (a prefill's; a decode step's few rows stay on this thread)
-  at::parallel_for(0, R, std::max<int64_t>(1, 4096 / ((H + 2 * Hkv) * D)), [&](int64_t r0, int64_t r1) {
-    std::vector<float> normed(D);
-    for (int64_t bt = r0; bt < r1; ++bt) {
-      const int64_t b = bt / T, t = bt % T;
-      const float *row = src + bt * qkv.size(1), *cr = cp + bt * D, *sr = sp + bt * D;
-      for (int64_t h = 0; h < H + 2 * Hkv; ++h) {
-        const float* in = row + h * D;
-        float* out = h < H ? qp + ((b * H + h) * T + t) * D
-                   : h < H + Hkv ? kp + ((b * Hkv + h - H) * T + t) * D
-                                 : vp + ((b * Hkv + h - H - Hkv) * T + t) * D;
-        if (h >= H + Hkv) {
-          std::memcpy(out, in, D * sizeof(float));
-          continue;
-        }
-        const float* head_norm = h < H ? qn : kn;
-        if (head_norm != nullptr) {
-          rms_row(in, head_norm, D, head_eps, normed.data(), (float)offset);
-          in = normed.data();
-        }
-        for (int64_t j = 0; j < runs; ++j) {  // rolled by D / 2: run j reads run (j + half) mod runs
-          const vf a = round(loadf(in + 16 * j) * loadf(cr + 16 * j));
-          const vf r = round(loadf(in + 16 * ((j + half) % runs)) * loadf(sr + 16 * j));
-          const vf sum = a + r;
-          std::memcpy(out + 16 * j, &sum, 64);
-        }
-      }
-    }
-  });
+  rotate_heads(qkv.data_ptr<float>(), B, T, H, Hkv, D, c.data_ptr<float>(), sn.data_ptr<float>(),
+               data_or_null(q_norm), data_or_null(k_norm), head_eps, offset, {q.data_ptr<float>(), H * T * D, T * D, D},
+               {k.data_ptr<float>(), Hkv * T * D, T * D, D}, {v.data_ptr<float>(), Hkv * T * D, T * D, D});
   return {q, k, v};
 }
 
-// y += x, elementwise (same sizes, contiguous): y becomes x + y, as ATen adds them
-void add_into(at::Tensor& y, const at::Tensor& x) {
-  float* yp = y.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0; i < y.numel(); ++i) yp[i] = xp[i] + yp[i];
+// y[i] = x[i] + y[i] over n values: y becomes x + y, as ATen adds them
+void add_into(float* y, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] + y[i];
 }
 
-// y = rms_norm(y) where a norm is given
-void maybe_norm(at::Tensor& y, const c10::optional<at::Tensor>& norm, double eps, double offset) {
-  if (norm.has_value()) y = rms_norm_offset(y, *norm, eps, offset);
-}
-
-// act(g) * u of gate_up = [g, u] (..., 2 I) -> (..., I), as a gated MLP computes it: act 0 SiLU, 1 GELU
-// (tanh), 16 values at a time (vexp / vtanh: a few ulp, as ATen's vectorised ones; the C library's
-// one value at a time cost a decode step ~10 us a layer for SmolLM2, ~40 us for Gemma 3's tanh),
-// rows in parallel (a prefill: ATen's gelu and mul of two strided halves took ~2 ms a layer)
-at::Tensor gated_activation(const at::Tensor& gate_up, int64_t act) {
-  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() && gate_up.dim() >= 1 &&
-              gate_up.size(-1) % 2 == 0, "kvgen: gated_activation takes contiguous float32 (..., 2 I)");
-  TORCH_CHECK(act == 0 || act == 1, "kvgen: the activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
-  const int64_t I = gate_up.size(-1) / 2, R = I ? gate_up.numel() / (2 * I) : 0;
-  std::vector<int64_t> sizes = gate_up.sizes().vec();
-  sizes.back() = I;
-  at::Tensor m = at::empty(sizes, gate_up.options());
-  const float* g = gate_up.data_ptr<float>();
-  float* mp = m.data_ptr<float>();
+// act(g) * u of gate_up = [g, u] (R rows of 2 I) -> (R, I), as a gated MLP computes it: act 0 SiLU, 1
+// GELU (tanh), 16 values at a time (vexp / vtanh: a few ulp, as ATen's vectorised ones; the C
+// library's one value at a time cost a decode step ~10 us a layer for SmolLM2, ~40 us for Gemma 3's
+// tanh), rows in parallel (a prefill: ATen's gelu and mul of two strided halves took ~2 ms a layer)
+void gated_rows(const float* g, int64_t R, int64_t I, int64_t act, float* mp) {
   auto activate = [act](auto gv) {
     if (act == 0) return gv / (1.0f + vexp(-gv));
     const auto inner = 0.7978845608028654f * (gv + 0.044715f * (gv * gv * gv));  // ATen's tanh GELU
@@ -2158,75 +2215,113 @@ at::Tensor gated_activation(const at::Tensor& gate_up, int64_t act) {
       }
     }
   });
+}
+
+at::Tensor gated_activation(const at::Tensor& gate_up, int64_t act) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() && gate_up.dim() >= 1 &&
+              gate_up.size(-1) % 2 == 0, "kvgen: gated_activation takes contiguous float32 (..., 2 I)");
+  TORCH_CHECK(act == 0 || act == 1, "kvgen: the activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
+  const int64_t I = gate_up.size(-1) / 2, R = I ? gate_up.numel() / (2 * I) : 0;
+  std::vector<int64_t> sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  at::Tensor m = at::empty(sizes, gate_up.options());
+  gated_rows(gate_up.data_ptr<float>(), R, I, act, m.data_ptr<float>());
   return m;
+}
+
+// The weights of a decoder layer's MLP half (kvgen::decoder_mlp): the o, gate/up and down products and
+// the norms (post_attention and post_feedforward: Gemma's sandwich norms, else null).
+struct MlpWeights {
+  Product o, gate_up, down;
+  const float *post_attention, *pre_feedforward, *post_feedforward;
+  int64_t hidden, I, act;
+  double eps, offset;
+};
+
+MlpWeights mlp_weights(at::TensorList o, at::IntArrayRef o_formats, const c10::optional<at::Tensor>& post_attention,
+                       const at::Tensor& pre_feedforward, const c10::optional<at::Tensor>& post_feedforward,
+                       at::TensorList gate_up, at::IntArrayRef gate_up_formats, at::TensorList down,
+                       at::IntArrayRef down_formats, int64_t act, int64_t attn_width, int64_t hidden, double eps,
+                       double offset) {
+  TORCH_CHECK(act == 0 || act == 1, "kvgen: decoder_mlp's activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
+  for (const at::Tensor* n : {&pre_feedforward, post_attention ? &*post_attention : nullptr,
+                              post_feedforward ? &*post_feedforward : nullptr})
+    TORCH_CHECK(!n || (n->numel() == hidden && n->is_contiguous() && n->scalar_type() == at::kFloat),
+                "kvgen: decoder_mlp's norms hold hidden = ", hidden, " float32 weights");
+  MlpWeights w{make_product(o, o_formats, attn_width), make_product(gate_up, gate_up_formats, hidden), {},
+               data_or_null(post_attention), pre_feedforward.data_ptr<float>(), data_or_null(post_feedforward),
+               hidden, 0, act, eps, offset};
+  TORCH_CHECK(w.o.N == hidden, "kvgen: o has ", w.o.N, " rows, the hidden size is ", hidden);
+  TORCH_CHECK(w.gate_up.N % 2 == 0, "kvgen: gate/up has an odd number of rows (", w.gate_up.N, ")");
+  w.I = w.gate_up.N / 2;
+  w.down = make_product(down, down_formats, w.I);
+  TORCH_CHECK(w.down.N == hidden, "kvgen: down has ", w.down.N, " rows, the hidden size is ", hidden);
+  return w;
+}
+
+// Scratch rows of a layer's MLP half: R rows of each of h (hidden), normed (hidden), gate/up (2 I), act(g) * u (I)
+struct MlpScratch {
+  float *h, *normed, *gu, *m;
+};
+
+// out = h + post_feedforward(act(g) * u @ down^T) with [g, u] = pre_feedforward(h) @ gate_up^T, h = x +
+// post_attention(attn @ o^T); x and out (R, hidden), attn (R, attn_width)
+void mlp_rows(const MlpWeights& w, const float* x, const float* attn, int64_t R, const MlpScratch& s, float* out) {
+  const int64_t hidden = w.hidden;
+  product_into(w.o, attn, w.o.K, R, s.h);
+  if (w.post_attention) rms_rows(s.h, w.post_attention, R, hidden, w.eps, w.offset, s.h);
+  add_into(s.h, x, R * hidden);
+  rms_rows(s.h, w.pre_feedforward, R, hidden, w.eps, w.offset, s.normed);
+  product_into(w.gate_up, s.normed, hidden, R, s.gu);
+  gated_rows(s.gu, R, w.I, w.act, s.m);
+  product_into(w.down, s.m, w.I, R, out);
+  if (w.post_feedforward) rms_rows(out, w.post_feedforward, R, hidden, w.eps, w.offset, out);
+  add_into(out, s.h, R * hidden);
 }
 
 // h = x + post_attention(attn @ o^T); out = h + post_feedforward((act(g) * u) @ down^T) with
 // [g, u] = pre_feedforward(h) @ gate_up^T. act: 0 SiLU, 1 GELU (tanh). The post norms are Gemma's
 // sandwich norms (absent for Llama); every norm scales by weight + offset (Gemma: 1). x (B, T,
-// hidden) and attn (B, T, H * D), B * T <= 8 rows.
+// hidden) and attn (B, T, H * D).
 at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorList o, at::IntArrayRef o_formats,
                        const c10::optional<at::Tensor>& post_attention, const at::Tensor& pre_feedforward,
                        const c10::optional<at::Tensor>& post_feedforward, double eps, at::TensorList gate_up,
                        at::IntArrayRef gate_up_formats, at::TensorList down, at::IntArrayRef down_formats, int64_t act,
                        double offset) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "kvgen: decoder_mlp takes x (B, T, hidden) float32");
-  TORCH_CHECK(act == 0 || act == 1, "kvgen: decoder_mlp's activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && attn.scalar_type() == at::kFloat && attn.dim() >= 1 &&
+              attn.numel() == x.size(0) * x.size(1) * attn.size(-1),
+              "kvgen: decoder_mlp takes x (B, T, hidden) and attn (B, T, features) float32");
   const int64_t R = x.size(0) * x.size(1), hidden = x.size(2);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor h = qmatmul(attn.reshape({R, attn.size(-1)}).contiguous(), o, o_formats);  // (R, hidden)
-  TORCH_CHECK(h.size(1) == hidden, "kvgen: o has ", h.size(1), " rows, the hidden size is ", hidden);
-  maybe_norm(h, post_attention, eps, offset);
-  add_into(h, xc);
-  const at::Tensor gu = qmatmul(rms_norm_offset(h, pre_feedforward, eps, offset), gate_up, gate_up_formats);  // (R, 2 I)
-  at::Tensor out = qmatmul(gated_activation(gu, act), down, down_formats);
-  maybe_norm(out, post_feedforward, eps, offset);
-  add_into(out, h);
-  return out.view(x.sizes());
+  const MlpWeights w = mlp_weights(o, o_formats, post_attention, pre_feedforward, post_feedforward, gate_up,
+                                   gate_up_formats, down, down_formats, act, attn.size(-1), hidden, eps, offset);
+  const at::Tensor xc = x.contiguous(), ac = attn.contiguous();
+  at::Tensor scratch = at::empty({R * (2 * hidden + 3 * w.I)}, x.options()), out = at::empty(x.sizes(), x.options());
+  float* sp = scratch.data_ptr<float>();
+  mlp_rows(w, xc.data_ptr<float>(), ac.data_ptr<float>(), R, {sp, sp + R * hidden, sp + 2 * R * hidden,
+           sp + R * (2 * hidden + 2 * w.I)}, out.data_ptr<float>());
+  return out;
 }
 
-// buffer[:, :, S - T:] = fresh (B, H, T, D), contiguous; plain copies of rows where both are float32
-// with contiguous rows (ATen's copy_ of two views: ~3 us of dispatch and checks for a few hundred bytes)
-void store_last(const at::Tensor& buffer, const at::Tensor& fresh) {
-  const int64_t B = fresh.size(0), H = fresh.size(1), T = fresh.size(2), D = fresh.size(3), S = buffer.size(2);
-  TORCH_CHECK(buffer.size(0) == B && buffer.size(1) == H && buffer.size(3) == D && S >= T,
-              "kvgen: a cache buffer (B, H, S, D) must take the new (B, H, T, D) keys or values in its last slots");
-  if (buffer.scalar_type() != at::kFloat || buffer.stride(3) != 1 || !fresh.is_contiguous() ||
-      fresh.scalar_type() != at::kFloat) {
-    buffer.narrow(2, S - T, T).copy_(fresh);
-    return;
-  }
-  const float* src = fresh.data_ptr<float>();
-  float* dst = buffer.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t t = 0; t < T; ++t)
-        std::memcpy(dst + b * buffer.stride(0) + h * buffer.stride(1) + (S - T + t) * buffer.stride(2),
-                    src + ((b * H + h) * T + t) * D, D * sizeof(float));
-}
+// A decode stack's weights, registered once (kvgen::decoder_stack) and named by an id in each step's
+// kvgen::decoder_layers, rather than the ~300 tensors of SmolLM2's 30 layers converted from Python
+// lists and checked at every call.
+struct StackLayer {
+  const float *input_norm, *q_norm, *k_norm;
+  Product qkv;
+  MlpWeights mlp;
+  double scale, softcap;
+};
 
-// A decode stack's weight-side arguments, registered once (kvgen::decoder_stack) and named by an id
-// in each step's kvgen::decoder_layers, rather than the ~300 tensors of SmolLM2's 30 layers converted
-// from Python lists at every call (a SmolLM2 step 0.99-1.04x faster, Zen 4, 2 threads).
 struct StackWeights {
-  std::vector<at::Tensor> input_norms, qkv, o, pre_feedforward, gate_up, down;
-  std::vector<c10::optional<at::Tensor>> q_norms, k_norms, post_attention, post_feedforward;
-  std::vector<int64_t> qkv_formats, o_formats, gate_up_formats, down_formats;
-  std::vector<int64_t> qkv_first, o_first, gate_up_first, down_first;  // per layer, its first segment; then the end
-  std::vector<double> scales, softcaps;
-  int64_t H, Hkv, act;
+  std::vector<StackLayer> layers;
+  std::vector<at::Tensor> norms;  // the tensors behind the layers' norm pointers
+  int64_t H, Hkv, D, hidden, I;  // I: the largest intermediate size
   double eps, head_eps, offset;
 };
 
 std::mutex g_stacks_mutex;
 std::unordered_map<int64_t, std::shared_ptr<const StackWeights>> g_stacks;
 int64_t g_next_stack = 1;
-
-std::vector<c10::optional<at::Tensor>> optionals(const c10::List<c10::optional<at::Tensor>>& list) {
-  std::vector<c10::optional<at::Tensor>> out;
-  for (size_t i = 0; i < list.size(); ++i) out.push_back(list.get(i));
-  return out;
-}
 
 // each layer's first segment of a list of weight segments, counts[i] of them per layer, then the end
 std::vector<int64_t> firsts(at::TensorList ws, at::IntArrayRef formats, at::IntArrayRef counts, const char* what) {
@@ -2258,13 +2353,44 @@ int64_t decoder_stack(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps
                    o_counts.size(), post_attention.size(), pre_feedforward.size(), post_feedforward.size(),
                    gate_up_counts.size(), down_counts.size()})
     TORCH_CHECK(n == L, "kvgen: decoder_stack takes one entry per layer in every per-layer list (", L, " layers)");
-  auto w = std::make_shared<StackWeights>(StackWeights{
-      input_norms.vec(), qkv.vec(), o.vec(), pre_feedforward.vec(), gate_up.vec(), down.vec(), optionals(q_norms),
-      optionals(k_norms), optionals(post_attention), optionals(post_feedforward), qkv_formats.vec(),
-      o_formats.vec(), gate_up_formats.vec(), down_formats.vec(), firsts(qkv, qkv_formats, qkv_counts, "q/k/v"),
-      firsts(o, o_formats, o_counts, "o"), firsts(gate_up, gate_up_formats, gate_up_counts, "gate/up"),
-      firsts(down, down_formats, down_counts, "down"), scales.vec(), softcaps.vec(), H, Hkv, act, eps, head_eps,
-      offset});
+  TORCH_CHECK(L > 0 && H > 0 && Hkv > 0 && H % Hkv == 0, "kvgen: decoder_stack takes at least one layer, and ",
+              "query heads (", H, ") in groups of the key heads (", Hkv, ")");
+  const std::vector<int64_t> qkv_first = firsts(qkv, qkv_formats, qkv_counts, "q/k/v"),
+                             o_first = firsts(o, o_formats, o_counts, "o"),
+                             gate_up_first = firsts(gate_up, gate_up_formats, gate_up_counts, "gate/up"),
+                             down_first = firsts(down, down_formats, down_counts, "down");
+  auto w = std::make_shared<StackWeights>();
+  const int64_t hidden = input_norms[0].numel();
+  *w = StackWeights{{}, {}, H, Hkv, 0, hidden, 0, eps, head_eps, offset};
+  auto slice = [](auto list, const std::vector<int64_t>& first, size_t i) {
+    return list.slice(first[i], first[i + 1] - first[i]);
+  };
+  auto norm = [&](const c10::optional<at::Tensor>& t, int64_t n, const char* what) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->numel() == n && t->is_contiguous() && t->scalar_type() == at::kFloat, "kvgen: decoder_stack's ",
+                what, " norms hold ", n, " float32 weights");
+    w->norms.push_back(*t);
+    return t->data_ptr<float>();
+  };
+  for (size_t i = 0; i < L; ++i) {
+    Product p = make_product(slice(qkv, qkv_first, i), slice(qkv_formats, qkv_first, i), hidden);
+    const int64_t D = p.N / (H + 2 * Hkv);
+    TORCH_CHECK(D % 32 == 0 && D > 0 && p.N == (H + 2 * Hkv) * D && (i == 0 || D == w->D),
+                "kvgen: decoder_stack's q/k/v products have (H + 2 Hkv) D rows, D the same multiple of 32 in every "
+                "layer; layer ", i, " has ", p.N);
+    w->D = D;
+    const float* input = norm(input_norms[i], hidden, "input");
+    const float *qn = norm(q_norms.get(i), D, "query head"), *kn = norm(k_norms.get(i), D, "key head");
+    MlpWeights mlp = mlp_weights(slice(o, o_first, i), slice(o_formats, o_first, i), post_attention.get(i),
+                                 pre_feedforward[i], post_feedforward.get(i), slice(gate_up, gate_up_first, i),
+                                 slice(gate_up_formats, gate_up_first, i), slice(down, down_first, i),
+                                 slice(down_formats, down_first, i), act, H * D, hidden, eps, offset);
+    for (const c10::optional<at::Tensor>& t : {post_attention.get(i), c10::optional<at::Tensor>(pre_feedforward[i]),
+                                               post_feedforward.get(i)})
+      if (t.has_value()) w->norms.push_back(*t);
+    w->I = std::max(w->I, mlp.I);
+    w->layers.push_back({input, qn, kn, std::move(p), std::move(mlp), scales[i], softcaps[i]});
+  }
   std::lock_guard<std::mutex> lock(g_stacks_mutex);
   g_stacks.emplace(g_next_stack, std::move(w));
   return g_next_stack++;
@@ -2277,12 +2403,15 @@ void decoder_stack_free(int64_t id) {
 }
 
 // A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
-// calls per layer: for each layer i of registered stack `stack`, decoder_attention_inputs (rotary
-// tables cos[tables[i]], sin[tables[i]]); its new keys and values written into the last T of slots
-// starts[i] .. ends[i] - 1 of keys[i] / values[i] (B, Hkv, slots, D: the cache's buffers, room
-// already made for them); attention of the queries over those slots with masks[i] (B or 1, 1, T,
-// ends[i] - starts[i]); decoder_mlp. Exactly the per-layer ops, in the same order, so the two paths
-// give the same bits.
+// calls per layer: for each layer i of registered stack `stack`, what decoder_attention_inputs
+// computes (rotary tables cos[tables[i]], sin[tables[i]]), its new keys and values written into the
+// last T of slots starts[i] .. ends[i] - 1 of keys[i] / values[i] (B, Hkv, slots, D: the cache's
+// buffers, room already made for them); attention of the queries over those slots with masks[i] (B
+// or 1, 1, T, ends[i] - starts[i]); what decoder_mlp computes. The same functions as those ops, in
+// the same order, so the two paths give the same bits; here on raw rows in one scratch allocation,
+// with every check made before the first layer, and one attention plan for the layers that attend
+// over as many slots without a mask (the ops' ATen calls, allocations and plans were ~25 us a layer,
+// a sixth of a SmolLM2 step on 2 cores).
 at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorList sin, at::IntArrayRef tables,
                           at::TensorList keys, at::TensorList values, at::IntArrayRef starts, at::IntArrayRef ends,
                           const c10::List<c10::optional<at::Tensor>>& masks, int64_t stack) {
@@ -2295,40 +2424,79 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
     found = it->second;
   }
   const StackWeights& w = *found;
-  const size_t L = w.input_norms.size();
+  const size_t L = w.layers.size();
+  const int64_t H = w.H, Hkv = w.Hkv, D = w.D, hidden = w.hidden;
   for (size_t n : {tables.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size()})
     TORCH_CHECK(n == L, "kvgen: decoder_layers takes one entry per layer in every per-layer list (", L, " layers)");
+  TORCH_CHECK(x0.dim() == 3 && x0.scalar_type() == at::kFloat && x0.size(2) == hidden,
+              "kvgen: decoder_layers takes x (B, T, hidden = ", hidden, ") float32");
+  const int64_t B = x0.size(0), T = x0.size(1), R = B * T;
   TORCH_CHECK(cos.size() == sin.size(), "kvgen: decoder_layers takes as many cos tables as sin tables");
-  auto take = [](const std::vector<at::Tensor>& ws, const std::vector<int64_t>& formats,
-                 const std::vector<int64_t>& first, size_t i) {
-    return std::make_pair(at::TensorList(ws).slice(first[i], first[i + 1] - first[i]),
-                          at::IntArrayRef(formats).slice(first[i], first[i + 1] - first[i]));
-  };
-  at::Tensor x = x0;
-  const int64_t B = x.size(0), T = x.size(1);
+  std::vector<at::Tensor> cs, ss;
+  for (size_t j = 0; j < cos.size(); ++j) {
+    TORCH_CHECK(cos[j].dim() == 3 && cos[j].sizes() == sin[j].sizes() && cos[j].size(0) == B &&
+                cos[j].size(1) == T && cos[j].size(2) == D && cos[j].scalar_type() == at::kFloat &&
+                sin[j].scalar_type() == at::kFloat, "kvgen: decoder_layers' rotary tables are float32 (B, T, D)");
+    cs.push_back(cos[j].contiguous());
+    ss.push_back(sin[j].contiguous());
+  }
+  std::vector<at::Tensor> ms(L);
   for (size_t i = 0; i < L; ++i) {
     TORCH_CHECK(0 <= tables[i] && tables[i] < (int64_t)cos.size(), "kvgen: decoder_layers' layer ", i,
                 " takes rotary table ", tables[i], " of ", cos.size());
-    const auto [qkv_w, qkv_f] = take(w.qkv, w.qkv_formats, w.qkv_first, i);
-    const std::vector<at::Tensor> qkv_out = decoder_attention_inputs(
-        x, w.input_norms[i], w.eps, qkv_w, qkv_f, cos[tables[i]], sin[tables[i]], w.H, w.Hkv, w.q_norms[i],
-        w.k_norms[i], w.head_eps, w.offset);
-    TORCH_CHECK(keys[i].dim() == 4 && values[i].dim() == 4 && 0 <= starts[i] && starts[i] + T <= ends[i] &&
-                ends[i] <= std::min(keys[i].size(2), values[i].size(2)),
-                "kvgen: decoder_layers' keys and values of layer ", i, " must be (B, Hkv, slots, D) buffers holding "
-                "slots ", starts[i], " .. ", ends[i], " - 1, at least T = ", T, " of them");
-    const at::Tensor k = keys[i].narrow(2, starts[i], ends[i] - starts[i]);
-    const at::Tensor v = values[i].narrow(2, starts[i], ends[i] - starts[i]);
-    store_last(k, qkv_out[1]);
-    store_last(v, qkv_out[2]);
-    const at::Tensor attn = attention(qkv_out[0], k, v, masks.get(i), w.scales[i], w.softcaps[i]);  // (B, H, T, D)
-    const auto [o_w, o_f] = take(w.o, w.o_formats, w.o_first, i);
-    const auto [gu_w, gu_f] = take(w.gate_up, w.gate_up_formats, w.gate_up_first, i);
-    const auto [down_w, down_f] = take(w.down, w.down_formats, w.down_first, i);
-    x = decoder_mlp(x, attn.transpose(1, 2).reshape({B, T, -1}), o_w, o_f, w.post_attention[i],
-                    w.pre_feedforward[i], w.post_feedforward[i], w.eps, gu_w, gu_f, down_w, down_f, w.act, w.offset);
+    for (const at::Tensor* kv : {&keys[i], &values[i]})
+      TORCH_CHECK(kv->dim() == 4 && kv->scalar_type() == at::kFloat && kv->size(0) == B && kv->size(1) == Hkv &&
+                  kv->size(3) == D && kv->stride(3) == 1 && 0 <= starts[i] && starts[i] + T <= ends[i] &&
+                  ends[i] <= kv->size(2), "kvgen: decoder_layers' keys and values of layer ", i, " must be float32 (B, ",
+                  "Hkv, slots, D) buffers with contiguous heads holding slots ", starts[i], " .. ", ends[i],
+                  " - 1, at least T = ", T, " of them");
+    const c10::optional<at::Tensor> mask = masks.get(i);
+    if (mask.has_value() && mask->defined()) {
+      ms[i] = mask->contiguous();
+      TORCH_CHECK(ms[i].scalar_type() == at::kBool && ms[i].dim() == 4 && (ms[i].size(0) == B || ms[i].size(0) == 1) &&
+                  ms[i].size(1) == 1 && ms[i].size(2) == T && ms[i].size(3) == ends[i] - starts[i],
+                  "kvgen: decoder_layers' mask of layer ", i, " must be bool (B or 1, 1, T, slots)");
+    }
   }
-  return x;
+  if (R == 0) return x0.clone();
+  const int64_t width = (H + 2 * Hkv) * D;
+  at::Tensor scratch = at::empty({R * (hidden + width + 2 * H * D + 2 * hidden + 3 * w.I)}, x0.options());
+  float* xn = scratch.data_ptr<float>();
+  float *qkv = xn + R * hidden, *q = qkv + R * width, *attn = q + R * H * D;
+  const MlpScratch mlp{attn + R * H * D, attn + R * H * D + R * hidden, attn + R * H * D + 2 * R * hidden,
+                       attn + R * H * D + R * (2 * hidden + 2 * w.I)};
+  const at::Tensor xc = x0.contiguous();
+  at::Tensor xs[2] = {at::empty(x0.sizes(), x0.options()), at::empty(x0.sizes(), x0.options())};
+  const float* x = xc.data_ptr<float>();
+  std::vector<std::pair<int64_t, AttentionPlan>> plans;  // the unmasked layers' plans, by their slot count
+  for (size_t i = 0; i < L; ++i) {
+    const StackLayer& l = w.layers[i];
+    const int64_t S = ends[i] - starts[i];
+    const uint8_t* mp = ms[i].defined() ? reinterpret_cast<const uint8_t*>(ms[i].data_ptr<bool>()) : nullptr;
+    AttentionPlan own;
+    const AttentionPlan* plan = &own;
+    if (mp) {
+      own = plan_attention(B, T, Hkv, H / Hkv, S, mp, ms[i].size(0));
+    } else {
+      auto it = std::find_if(plans.begin(), plans.end(), [&](const auto& p) { return p.first == S; });
+      if (it == plans.end()) it = plans.insert(plans.end(), {S, plan_attention(B, T, Hkv, H / Hkv, S, nullptr, 1)});
+      plan = &it->second;
+    }
+    rms_rows(x, l.input_norm, R, hidden, w.eps, w.offset, xn);
+    product_into(l.qkv, xn, hidden, R, qkv);
+    const at::Tensor &k = keys[i], &v = values[i];
+    float *kp = k.data_ptr<float>() + starts[i] * k.stride(2), *vp = v.data_ptr<float>() + starts[i] * v.stride(2);
+    rotate_heads(qkv, B, T, H, Hkv, D, cs[tables[i]].data_ptr<float>(), ss[tables[i]].data_ptr<float>(), l.q_norm,
+                 l.k_norm, w.head_eps, w.offset, {q, H * T * D, T * D, D},
+                 {kp + (S - T) * k.stride(2), k.stride(0), k.stride(1), k.stride(2)},
+                 {vp + (S - T) * v.stride(2), v.stride(0), v.stride(1), v.stride(2)});
+    attend(*plan, {q, kp, vp, H * T * D, T * D, D, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                   v.stride(2), mp, T, S, H, H / Hkv, D, (float)l.scale, (float)l.softcap, attn});
+    float* out = xs[i % 2].data_ptr<float>();
+    mlp_rows(l.mlp, x, attn, R, mlp, out);
+    x = out;
+  }
+  return xs[(L - 1) % 2];
 }
 
 // the formats whose products take integer dot products on this CPU (AVX-512 VNNI), else none
