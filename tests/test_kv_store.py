@@ -283,7 +283,9 @@ def test_replica_b_skips_the_prefill_replica_a_did(redis_server):
               f"({ttft_a / ttft_b:.1f}x)")
         assert (cached_a, cached_b) == (0, 1984) and b.metrics()["kvgen_kv_store_hits_total"] == 124
         assert text_b == text_a
-        assert ttft_b * 5 <= ttft_a, f"B's time to first token {ttft_b:.3f} s is not 5x below A's {ttft_a:.3f} s"
+        # B measured 5-13x sooner here (2 cores; 5x when the host was busy): 2x still tells a recomputed
+        # prefill (about 1x) from a fetched one, far from the host's noise
+        assert ttft_b * 2 <= ttft_a, f"B's time to first token {ttft_b:.3f} s is not 2x below A's {ttft_a:.3f} s"
     finally:
         for server in (a, b):
             server.process.terminate()

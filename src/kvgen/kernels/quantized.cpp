@@ -23,6 +23,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
+#include <thread>
+#include <omp.h>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1325,36 +1328,49 @@ Product make_product(at::TensorList ws, at::IntArrayRef formats, int64_t K) {
   return p;
 }
 
-// y (R, N) = x (R, K, rows ldx apart) times the product's weight. One parallel loop over all output
-// rows: a fused projection stored in several tensors (q, k and v; gate and up) or formats is one
-// loop, its parts read where they are stored.
-void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp) {
-  const int64_t K = p.K, N = p.N;
-  std::vector<std::vector<float>> xsums(p.segments.size());
+// A product's input rows (R of K values, ldx apart), prepared once for all its output rows: their sums
+// per group (formats with a min and no integer dot products) and their rounding (formats with them).
+struct ProductInput {
+  const float* x;
+  int64_t ldx, R;
+  std::vector<std::vector<float>> xsums;  // per segment
+  RoundedX rx;
+};
+
+ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R) {
+  ProductInput in{xp, ldx, R, std::vector<std::vector<float>>(p.segments.size()), {}};
   for (size_t i = 0; i < p.segments.size(); ++i)
     dispatch(p.segments[i].format, [&](auto t) {
       using T = decltype(t);
-      if constexpr (!has_dot<T>()) xsums[i] = group_sums<T>(xp, ldx, R, K);
+      if constexpr (!has_dot<T>()) in.xsums[i] = group_sums<T>(xp, ldx, R, p.K);
     });
 #if defined(KVGEN_DOT8)
-  const RoundedX rx = p.rounded ? round_x(xp, ldx, R, K, p.biased) : RoundedX{};
-#else
-  const RoundedX rx;
+  if (p.rounded) in.rx = round_x(xp, ldx, R, p.K, p.biased);
 #endif
-  // grain: enough output rows per task that a task streams a few kB of weights
-  const int64_t grain = std::max<int64_t>(1, 16384 / p.segments[0].row_bytes);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (size_t i = 0; i < p.segments.size(); ++i) {
-      const Product::Segment& seg = p.segments[i];
-      const int64_t lo = std::max(n0, seg.start), hi = std::min(n1, seg.start + seg.rows);
-      if (lo >= hi) continue;
-      dispatch(seg.format, [&](auto t) {
-        using T = decltype(t);
-        matmul_range<T>(xp, ldx, R, xsums[i].data(), rx, seg.w, seg.row_bytes, lo - seg.start, hi - seg.start, K,
-                        yp + seg.start, N);
-      });
-    }
-  });
+  return in;
+}
+
+// output rows n0..n1 of y (R, N), each segment's rows read where they are stored
+void product_rows(const Product& p, const ProductInput& in, int64_t n0, int64_t n1, float* yp) {
+  for (size_t i = 0; i < p.segments.size(); ++i) {
+    const Product::Segment& seg = p.segments[i];
+    const int64_t lo = std::max(n0, seg.start), hi = std::min(n1, seg.start + seg.rows);
+    if (lo >= hi) continue;
+    dispatch(seg.format, [&](auto t) {
+      using T = decltype(t);
+      matmul_range<T>(in.x, in.ldx, in.R, in.xsums[i].data(), in.rx, seg.w, seg.row_bytes, lo - seg.start,
+                      hi - seg.start, p.K, yp + seg.start, p.N);
+    });
+  }
+}
+
+// output rows per parallel task: enough that a task streams a few kB of weights
+int64_t product_grain(const Product& p) { return std::max<int64_t>(1, 16384 / p.segments[0].row_bytes); }
+
+// y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel
+void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp) {
+  const ProductInput in = product_input(p, xp, ldx, R);
+  at::parallel_for(0, p.N, product_grain(p), [&](int64_t n0, int64_t n1) { product_rows(p, in, n0, n1, yp); });
 }
 
 // x (R, K) float32 rows times the row segments ws[i] (each in formats[i]) -> (R, sum of their rows)
@@ -2022,49 +2038,68 @@ AttentionPlan plan_attention(int64_t B, int64_t T, int64_t Hkv, int64_t G, int64
   return plan;
 }
 
-// attends as planned, into args.out (B, T, H, D)
-void attend(const AttentionPlan& plan, const AttentionArgs& args) {
-  const std::vector<RowBlock>& blocks = plan.blocks;
-  const int64_t T = args.T, H = args.H, G = args.G, D = args.D, RMAX = plan.RMAX, slot = RMAX * (D + 2);
-  std::vector<float> parts(plan.nparts * slot);
-  std::unique_ptr<std::atomic<int64_t>[]> pending(new std::atomic<int64_t>[plan.splits.size()]);
-  for (size_t i = 0; i < plan.splits.size(); ++i) pending[i].store(plan.splits[i].parts, std::memory_order_relaxed);
+// One attention call as planned, into args.out (B, T, H, D): its threads take the items costliest
+// first (work), and the last part of a split item to finish merges them.
+class AttentionRun {
+ public:
+  AttentionRun(const AttentionPlan& plan, const AttentionArgs& args)
+      : plan_(plan), args_(args), slot_(plan.RMAX * (args.D + 2)), parts_(plan.nparts * slot_),
+        pending_(new std::atomic<int64_t>[plan.splits.size()]) {
+    for (size_t i = 0; i < plan.splits.size(); ++i) pending_[i].store(plan.splits[i].parts, std::memory_order_relaxed);
+  }
+
+  // items until none is left (w: this thread's scratch, for plan.RMAX rows)
+  void work(Scratch& w) {
+    const int64_t nitems = plan_.items.size();
+    for (int64_t i = next_++; i < nitems; i = next_++) {
+      const AttentionPlan::Item& it = plan_.items[plan_.order[i]];
+      float* part = it.part >= 0 ? parts_.data() + it.part * slot_ : nullptr;
+      attend_tiles(args_, it.b, it.g, plan_.blocks[it.blk], it.c0, it.c1, w, part);
+      if (it.split >= 0 && pending_[it.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge(plan_.splits[it.split], w.acc);
+    }
+  }
+
+ private:
   // a split item's partial states (max, sum, values per query row) merged into the output
-  auto merge = [&](const AttentionPlan::Split& sp, float* acc) {
-    const RowBlock& blk = blocks[sp.blk];
-    const int64_t Rp = padded_rows(blk.n * G);
+  void merge(const AttentionPlan::Split& sp, float* acc) {
+    const RowBlock& blk = plan_.blocks[sp.blk];
+    const int64_t T = args_.T, H = args_.H, G = args_.G, D = args_.D, Rp = padded_rows(blk.n * G);
     for (int64_t p = 0; p < blk.n; ++p)
       for (int64_t h = 0; h < G; ++h) {
         const int64_t r = p * G + h;
         float best = -INFINITY, sum = 0.0f;
-        for (int64_t c = 0; c < sp.parts; ++c) best = std::max(best, parts[(sp.part0 + c) * slot + r]);
+        for (int64_t c = 0; c < sp.parts; ++c) best = std::max(best, parts_[(sp.part0 + c) * slot_ + r]);
         std::fill(acc, acc + D, 0.0f);
         if (best > -INFINITY)
           for (int64_t c = 0; c < sp.parts; ++c) {
-            const float* pa = parts.data() + (sp.part0 + c) * slot;
+            const float* pa = parts_.data() + (sp.part0 + c) * slot_;
             if (pa[r] == -INFINITY) continue;
             const float f = std::exp(pa[r] - best);
             sum += pa[Rp + r] * f;
             for (int64_t d = 0; d < D; ++d) acc[d] += f * pa[2 * Rp + r * D + d];
           }
-        float* o = args.out + ((sp.b * T + blk.t0 + p) * H + sp.g * G + h) * D;
+        float* o = args_.out + ((sp.b * T + blk.t0 + p) * H + sp.g * G + h) * D;
         const float f = sum > 0.0f ? 1.0f / sum : 0.0f;  // no allowed key: zeros
         for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * f;
       }
-  };
-  // 4. attend, items handed out costliest first; the last part of a split item to finish merges
-  // them (one parallel region: each region can wait a time slice for a thread on a busy host)
-  std::atomic<int64_t> next{0};
-  const int64_t nitems = plan.items.size();
-  at::parallel_for(0, std::min(plan.threads, nitems), 1, [&](int64_t, int64_t) {
-    Scratch w(RMAX, D);
-    for (int64_t i = next++; i < nitems; i = next++) {
-      const AttentionPlan::Item& it = plan.items[plan.order[i]];
-      float* part = it.part >= 0 ? parts.data() + it.part * slot : nullptr;
-      attend_tiles(args, it.b, it.g, blocks[it.blk], it.c0, it.c1, w, part);
-      if (it.split >= 0 && pending[it.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge(plan.splits[it.split], w.acc);
-    }
+  }
+
+  const AttentionPlan& plan_;
+  const AttentionArgs args_;
+  const int64_t slot_;
+  std::vector<float> parts_;
+  std::unique_ptr<std::atomic<int64_t>[]> pending_;
+  std::atomic<int64_t> next_{0};
+};
+
+// attends as planned, into args.out (B, T, H, D), in one parallel region (each region can wait a time
+// slice for a thread on a busy host)
+void attend(const AttentionPlan& plan, const AttentionArgs& args) {
+  AttentionRun run(plan, args);
+  at::parallel_for(0, std::min<int64_t>(plan.threads, plan.items.size()), 1, [&](int64_t, int64_t) {
+    Scratch w(plan.RMAX, args.D);
+    run.work(w);
   });
 }
 
@@ -2115,10 +2150,10 @@ struct Heads {
 // The heads of a fused q/k/v product's rows (B * T rows of (H + 2 Hkv) D values): optional RMSNorm
 // of each query / key head (Qwen3, Gemma 3), rotary on the query and key heads (cos/sin (B * T, D),
 // sin's first half negated: rotated = x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary),
-// written to q, k and v.
+// written to q, k and v; heads h0 .. h1 - 1 of the product's H + 2 Hkv.
 void rotate_heads(const float* src, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* cp,
                   const float* sp, const float* qn, const float* kn, double head_eps, double offset, Heads q, Heads k,
-                  Heads v) {
+                  Heads v, int64_t h0, int64_t h1) {
   const int64_t runs = D / 16, half = runs / 2, width = (H + 2 * Hkv) * D;
   // rows in parallel (a prefill's; a decode step's few rows stay on this thread)
   at::parallel_for(0, B * T, std::max<int64_t>(1, 4096 / width), [&](int64_t r0, int64_t r1) {
@@ -2126,7 +2161,7 @@ void rotate_heads(const float* src, int64_t B, int64_t T, int64_t H, int64_t Hkv
     for (int64_t bt = r0; bt < r1; ++bt) {
       const int64_t b = bt / T, t = bt % T;
       const float *row = src + bt * width, *cr = cp + bt * D, *sr = sp + bt * D;
-      for (int64_t h = 0; h < H + 2 * Hkv; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         const float* in = row + h * D;
         float* out = h < H ? q.p + b * q.s0 + h * q.s1 + t * q.s2
                    : h < H + Hkv ? k.p + b * k.s0 + (h - H) * k.s1 + t * k.s2
@@ -2179,7 +2214,8 @@ std::vector<at::Tensor> decoder_attention_inputs(const at::Tensor& x, const at::
              v = at::empty({B, Hkv, T, D}, x.options());
   rotate_heads(qkv.data_ptr<float>(), B, T, H, Hkv, D, c.data_ptr<float>(), sn.data_ptr<float>(),
                data_or_null(q_norm), data_or_null(k_norm), head_eps, offset, {q.data_ptr<float>(), H * T * D, T * D, D},
-               {k.data_ptr<float>(), Hkv * T * D, T * D, D}, {v.data_ptr<float>(), Hkv * T * D, T * D, D});
+               {k.data_ptr<float>(), Hkv * T * D, T * D, D}, {v.data_ptr<float>(), Hkv * T * D, T * D, D}, 0,
+               H + 2 * Hkv);
   return {q, k, v};
 }
 
@@ -2402,6 +2438,26 @@ void decoder_stack_free(int64_t id) {
   g_stacks.erase(id);
 }
 
+// A barrier for the n threads of a parallel region, spinning (a decode step's phases are a few
+// microseconds apart; an OpenMP region per phase cost ~1 us to open and close), then yielding.
+class SpinBarrier {
+ public:
+  void wait(int64_t n) {
+    const int64_t phase = phase_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      count_.store(0, std::memory_order_relaxed);
+      phase_.store(phase + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; phase_.load(std::memory_order_acquire) == phase; ++spins)
+      if (spins < (1 << 16)) _mm_pause(); else std::this_thread::yield();
+  }
+
+ private:
+  alignas(64) std::atomic<int64_t> count_{0};
+  alignas(64) std::atomic<int64_t> phase_{0};
+};
+
 // A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
 // calls per layer: for each layer i of registered stack `stack`, what decoder_attention_inputs
 // computes (rotary tables cos[tables[i]], sin[tables[i]]), its new keys and values written into the
@@ -2459,44 +2515,101 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
     }
   }
   if (R == 0) return x0.clone();
-  const int64_t width = (H + 2 * Hkv) * D;
-  at::Tensor scratch = at::empty({R * (hidden + width + 2 * H * D + 2 * hidden + 3 * w.I)}, x0.options());
-  float* xn = scratch.data_ptr<float>();
-  float *qkv = xn + R * hidden, *q = qkv + R * width, *attn = q + R * H * D;
-  const MlpScratch mlp{attn + R * H * D, attn + R * H * D + R * hidden, attn + R * H * D + 2 * R * hidden,
-                       attn + R * H * D + R * (2 * hidden + 2 * w.I)};
-  const at::Tensor xc = x0.contiguous();
-  at::Tensor xs[2] = {at::empty(x0.sizes(), x0.options()), at::empty(x0.sizes(), x0.options())};
-  const float* x = xc.data_ptr<float>();
-  std::vector<std::pair<int64_t, AttentionPlan>> plans;  // the unmasked layers' plans, by their slot count
+  // every layer's attention plan, before the first layer
+  std::vector<AttentionPlan> plans;  // the masked layers', then one per slot count of the others
+  plans.reserve(L);
+  std::vector<const AttentionPlan*> plan_of(L);
+  std::vector<std::pair<int64_t, const AttentionPlan*>> by_slots;
+  int64_t RMAX = 1;
   for (size_t i = 0; i < L; ++i) {
-    const StackLayer& l = w.layers[i];
     const int64_t S = ends[i] - starts[i];
-    const uint8_t* mp = ms[i].defined() ? reinterpret_cast<const uint8_t*>(ms[i].data_ptr<bool>()) : nullptr;
-    AttentionPlan own;
-    const AttentionPlan* plan = &own;
-    if (mp) {
-      own = plan_attention(B, T, Hkv, H / Hkv, S, mp, ms[i].size(0));
-    } else {
-      auto it = std::find_if(plans.begin(), plans.end(), [&](const auto& p) { return p.first == S; });
-      if (it == plans.end()) it = plans.insert(plans.end(), {S, plan_attention(B, T, Hkv, H / Hkv, S, nullptr, 1)});
-      plan = &it->second;
+    const auto it = std::find_if(by_slots.begin(), by_slots.end(), [&](const auto& p) { return p.first == S; });
+    if (!ms[i].defined() && it != by_slots.end()) {
+      plan_of[i] = it->second;
+      continue;
     }
-    rms_rows(x, l.input_norm, R, hidden, w.eps, w.offset, xn);
-    product_into(l.qkv, xn, hidden, R, qkv);
-    const at::Tensor &k = keys[i], &v = values[i];
-    float *kp = k.data_ptr<float>() + starts[i] * k.stride(2), *vp = v.data_ptr<float>() + starts[i] * v.stride(2);
-    rotate_heads(qkv, B, T, H, Hkv, D, cs[tables[i]].data_ptr<float>(), ss[tables[i]].data_ptr<float>(), l.q_norm,
-                 l.k_norm, w.head_eps, w.offset, {q, H * T * D, T * D, D},
-                 {kp + (S - T) * k.stride(2), k.stride(0), k.stride(1), k.stride(2)},
-                 {vp + (S - T) * v.stride(2), v.stride(0), v.stride(1), v.stride(2)});
-    attend(*plan, {q, kp, vp, H * T * D, T * D, D, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-                   v.stride(2), mp, T, S, H, H / Hkv, D, (float)l.scale, (float)l.softcap, attn});
-    float* out = xs[i % 2].data_ptr<float>();
-    mlp_rows(l.mlp, x, attn, R, mlp, out);
-    x = out;
+    const uint8_t* mp = ms[i].defined() ? reinterpret_cast<const uint8_t*>(ms[i].data_ptr<bool>()) : nullptr;
+    plan_of[i] = &plans.emplace_back(plan_attention(B, T, Hkv, H / Hkv, S, mp, mp ? ms[i].size(0) : 1));
+    if (!mp) by_slots.emplace_back(S, plan_of[i]);
+    RMAX = std::max(RMAX, plans.back().RMAX);
   }
-  return xs[(L - 1) % 2];
+  // rows shared by the threads: q/k/v (width), q and attention (H D), o and down (hidden), gate/up (2 I);
+  // each thread's own: x, normed and h (hidden), act(g) * u (I)
+  const int64_t width = (H + 2 * Hkv) * D, I = w.I, threads = at::get_num_threads();
+  const int64_t shared = R * (width + 2 * H * D + 2 * hidden + 2 * I), own = R * (3 * hidden + I);
+  at::Tensor scratch = at::empty({shared + threads * own}, x0.options()), out = at::empty(x0.sizes(), x0.options());
+  float* const qkv = scratch.data_ptr<float>();
+  float *const q = qkv + R * width, *const attn = q + R * H * D, *const o = attn + R * H * D, *const down = o + R * hidden;
+  float* const gu = down + R * hidden;
+  const at::Tensor xc = x0.contiguous();
+  SpinBarrier barrier;
+  std::optional<AttentionRun> run;
+  std::optional<AttentionArgs> args;
+  // One parallel region for all layers, its phases apart by a spinning barrier (a region per product
+  // and attention was 5 regions a layer); each thread computes the few rows between products itself.
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), n = std::min<int64_t>(omp_get_num_threads(), threads);
+    if (t < n) {
+      float* const x = gu + R * 2 * I + t * own;
+      float *const xn = x + R * hidden, *const h = xn + R * hidden, *const m = h + R * hidden;
+      std::memcpy(x, xc.data_ptr<float>(), R * hidden * sizeof(float));
+      Scratch scratch_rows(RMAX, D);
+      // this thread's share of rows 0 .. N - 1, as at::parallel_for would split them
+      auto product = [&](const Product& p, const float* in, int64_t ldx, float* y) {
+        const ProductInput rows = product_input(p, in, ldx, R);
+        const int64_t tasks = std::min(n, (p.N + product_grain(p) - 1) / product_grain(p));
+        const int64_t chunk = (p.N + tasks - 1) / tasks;
+        if (t < tasks) product_rows(p, rows, t * chunk, std::min(p.N, (t + 1) * chunk), y);
+      };
+      for (size_t i = 0; i < L; ++i) {
+        const StackLayer& l = w.layers[i];
+        const MlpWeights& mw = l.mlp;
+        const int64_t S = ends[i] - starts[i];
+        const at::Tensor &k = keys[i], &v = values[i];
+        float *kp = k.data_ptr<float>() + starts[i] * k.stride(2), *vp = v.data_ptr<float>() + starts[i] * v.stride(2);
+        rms_rows(x, l.input_norm, R, hidden, w.eps, w.offset, xn);
+        product(l.qkv, xn, hidden, qkv);
+        if (t == 0) {
+          args.emplace(AttentionArgs{q, kp, vp, H * T * D, T * D, D, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                                     v.stride(1), v.stride(2),
+                                     ms[i].defined() ? reinterpret_cast<const uint8_t*>(ms[i].data_ptr<bool>()) : nullptr,
+                                     T, S, H, H / Hkv, D, (float)l.scale, (float)l.softcap, attn});
+          run.emplace(*plan_of[i], *args);
+        }
+        barrier.wait(n);
+        const int64_t heads = H + 2 * Hkv, per = (heads + n - 1) / n;
+        rotate_heads(qkv, B, T, H, Hkv, D, cs[tables[i]].data_ptr<float>(), ss[tables[i]].data_ptr<float>(),
+                     l.q_norm, l.k_norm, w.head_eps, w.offset, {q, H * T * D, T * D, D},
+                     {kp + (S - T) * k.stride(2), k.stride(0), k.stride(1), k.stride(2)},
+                     {vp + (S - T) * v.stride(2), v.stride(0), v.stride(1), v.stride(2)}, std::min(heads, t * per),
+                     std::min(heads, (t + 1) * per));
+        barrier.wait(n);
+        run->work(scratch_rows);
+        barrier.wait(n);
+        product(mw.o, attn, H * D, o);
+        barrier.wait(n);
+        if (mw.post_attention)  // h = x + post_attention(o), as mlp_rows
+          rms_rows(o, mw.post_attention, R, hidden, mw.eps, mw.offset, h);
+        else
+          std::memcpy(h, o, R * hidden * sizeof(float));
+        add_into(h, x, R * hidden);
+        rms_rows(h, mw.pre_feedforward, R, hidden, mw.eps, mw.offset, xn);
+        product(mw.gate_up, xn, hidden, gu);
+        barrier.wait(n);
+        gated_rows(gu, R, mw.I, mw.act, m);
+        product(mw.down, m, mw.I, down);
+        barrier.wait(n);
+        if (mw.post_feedforward)  // x = h + post_feedforward(down)
+          rms_rows(down, mw.post_feedforward, R, hidden, mw.eps, mw.offset, x);
+        else
+          std::memcpy(x, down, R * hidden * sizeof(float));
+        add_into(x, h, R * hidden);
+      }
+      if (t == 0) std::memcpy(out.data_ptr<float>(), x, R * hidden * sizeof(float));
+    }
+  }
+  return out;
 }
 
 // the formats whose products take integer dot products on this CPU (AVX-512 VNNI), else none
