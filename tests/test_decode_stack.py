@@ -97,6 +97,26 @@ def test_the_stack_gives_the_per_layer_bits(model, cache_kind, monkeypatch):
         assert min(keys.shape[2] for keys, _ in caches[0]) < 9 + 12  # a sliding layer dropped what it may
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_stack_gives_the_same_bits_with_any_thread_count(model, threads, monkeypatch):
+    """The stack's layers run in one parallel region whose threads split each product's rows and take attention
+    items as they come: 1 thread and 3 (more than this machine's cores: its barriers must yield) give the bits of
+    the per-layer path at the default count."""
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0
+    plain, _ = decode(model, ids, padding, kvgen.DynamicCache(config=model.config), 8, False, monkeypatch)
+    default = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused, runs = decode(model, ids, padding, kvgen.DynamicCache(config=model.config), 8, True, monkeypatch)
+    finally:
+        torch.set_num_threads(default)
+    assert runs == 8
+    for a, b in zip(fused, plain):
+        assert torch.equal(a, b)
+
+
 def prefill_with(model, ids, padding, fused: bool, monkeypatch):
     """Logits and layer 1's cached keys of a prefill, the fused prefill ops on or off; how many calls they took."""
     from kvgen.models import native
