@@ -5,8 +5,9 @@ Per layer, an eager decode step on packed weights is three C++ ops (``kvgen::dec
 each op's wrapper, the mask lookup and the cache update, ~60-100 us a layer, a quarter of a SmolLM2
 Q4_1 step on 2 cores (2.5 of ~10 ms). Where every layer's cache can hand out the slots its new keys and
 values go to (:meth:`kvgen.cache.base.Cache.reserve`), :meth:`DecodeStack.run` runs all layers as one
-op, ``kvgen::decoder_layers``: the same three C++ functions per layer in the same order, the new keys and
-values written into the reserved slots in between, so it gives the bits the per-layer path gives.
+op, ``kvgen::decoder_layers``: the C++ functions of the per-layer ops in the same order, in one parallel
+region, the new keys and values written straight into the reserved slots, so it gives the bits the
+per-layer path gives.
 
 The op's weight-side arguments (every layer's weights, norms, formats) are gathered once and registered
 with ``kvgen::decoder_stack``, which keeps them in C++ under an id the steps pass (not ~300 tensors in
