@@ -147,7 +147,10 @@ def test_gemma2_sliding_layers_match_generate(tmp_path_factory):
             if not output.is_finished():
                 used.append({kind: pool.num_used for kind, (pool, _) in manager.pools.items()})
         again = manager.get_result(manager.add_request(prompt, max_new_tokens=40), timeout=60)
-    assert 9 <= used[-1]["full_attention"] <= 9 + 3  # 139 positions (in runs of up to 4 blocks)
+    # the pools are read while the engine runs on: a read after the request ended (its blocks freed) sees 0, which
+    # happened once in a full run for the last read, so the full layers' most blocks held are checked
+    held = [u["full_attention"] for u in used if u["full_attention"]]
+    assert 9 <= max(held) <= 9 + 3  # 139 positions (in runs of up to 4 blocks)
     assert max(u["sliding_attention"] for u in used) <= 3  # a window of 24 spans at most 3 blocks of 16
     assert manager.stats()["blocks_free"] == 160
     assert output.generated_tokens == alone(gemma, prompt, 40)
