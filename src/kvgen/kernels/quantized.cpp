@@ -2295,23 +2295,42 @@ MlpWeights mlp_weights(at::TensorList o, at::IntArrayRef o_formats, const c10::o
   return w;
 }
 
-// Scratch rows of a layer's MLP half: R rows of each of h (hidden), normed (hidden), gate/up (2 I), act(g) * u (I)
+// Rows of a layer's MLP half, R of each: the products' outputs o and down (hidden) and gate/up (2 I), which
+// every thread of a parallel region reads, and those a thread computes for itself: h and normed (hidden),
+// act(g) * u (I). h may be o, and mlp_rows' out may be down, where one thread computes them all.
 struct MlpScratch {
-  float *h, *normed, *gu, *m;
+  float *o, *gu, *down;
+  float *h, *normed, *m;
 };
 
+// y = rms_norm(x) * (norm + offset) where a norm is given, else a copy of x (none where y is x)
+void norm_or_copy(const float* x, const float* norm, int64_t R, int64_t hidden, double eps, double offset, float* y) {
+  if (norm)
+    rms_rows(x, norm, R, hidden, eps, offset, y);
+  else if (y != x)
+    std::memcpy(y, x, R * hidden * sizeof(float));
+}
+
 // out = h + post_feedforward(act(g) * u @ down^T) with [g, u] = pre_feedforward(h) @ gate_up^T, h = x +
-// post_attention(attn @ o^T); x and out (R, hidden), attn (R, attn_width)
-void mlp_rows(const MlpWeights& w, const float* x, const float* attn, int64_t R, const MlpScratch& s, float* out) {
+// post_attention(attn @ o^T); x and out (R, hidden), attn (R, attn_width). product(p, in, ldx, y) computes a
+// product's rows (this thread's share of them in a region); products_done() returns once every thread's
+// share is in (a barrier; nothing for one thread). The decode stack's region and kvgen::decoder_mlp both run
+// this, so they compute the same bits.
+template <class ProductFn, class Done>
+void mlp_rows(const MlpWeights& w, const float* x, const float* attn, int64_t R, const MlpScratch& s, float* out,
+              ProductFn product, Done products_done) {
   const int64_t hidden = w.hidden;
-  product_into(w.o, attn, w.o.K, R, s.h);
-  if (w.post_attention) rms_rows(s.h, w.post_attention, R, hidden, w.eps, w.offset, s.h);
+  product(w.o, attn, w.o.K, s.o);
+  products_done();
+  norm_or_copy(s.o, w.post_attention, R, hidden, w.eps, w.offset, s.h);
   add_into(s.h, x, R * hidden);
   rms_rows(s.h, w.pre_feedforward, R, hidden, w.eps, w.offset, s.normed);
-  product_into(w.gate_up, s.normed, hidden, R, s.gu);
+  product(w.gate_up, s.normed, hidden, s.gu);
+  products_done();
   gated_rows(s.gu, R, w.I, w.act, s.m);
-  product_into(w.down, s.m, w.I, R, out);
-  if (w.post_feedforward) rms_rows(out, w.post_feedforward, R, hidden, w.eps, w.offset, out);
+  product(w.down, s.m, w.I, s.down);
+  products_done();
+  norm_or_copy(s.down, w.post_feedforward, R, hidden, w.eps, w.offset, out);
   add_into(out, s.h, R * hidden);
 }
 
@@ -2332,9 +2351,10 @@ at::Tensor decoder_mlp(const at::Tensor& x, const at::Tensor& attn, at::TensorLi
                                    gate_up_formats, down, down_formats, act, attn.size(-1), hidden, eps, offset);
   const at::Tensor xc = x.contiguous(), ac = attn.contiguous();
   at::Tensor scratch = at::empty({R * (2 * hidden + 3 * w.I)}, x.options()), out = at::empty(x.sizes(), x.options());
-  float* sp = scratch.data_ptr<float>();
-  mlp_rows(w, xc.data_ptr<float>(), ac.data_ptr<float>(), R, {sp, sp + R * hidden, sp + 2 * R * hidden,
-           sp + R * (2 * hidden + 2 * w.I)}, out.data_ptr<float>());
+  float *const h = scratch.data_ptr<float>(), *const normed = h + R * hidden, *const gu = normed + R * hidden;
+  float* const op = out.data_ptr<float>();
+  mlp_rows(w, xc.data_ptr<float>(), ac.data_ptr<float>(), R, {h, gu, op, h, normed, gu + 2 * R * w.I}, op,
+           [&](const Product& p, const float* in, int64_t ldx, float* y) { product_into(p, in, ldx, R, y); }, [] {});
   return out;
 }
 
@@ -2548,7 +2568,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
   // One parallel region for all layers, its phases apart by a spinning barrier (an OpenMP region per
   // product and attention was 5 regions a layer: the layers 1.06x / 1.10x faster for SmolLM2 / Gemma 3
   // at 2 threads, Zen 4). Each thread computes the few rows between products itself (norms, residuals,
-  // act(g) * u: what mlp_rows computes, in its order), so that only the products' and attention's
+  // act(g) * u: mlp_rows with a barrier after each product), so that only the products' and attention's
   // outputs are shared.
 #pragma omp parallel
   {
@@ -2567,7 +2587,6 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
       };
       for (size_t i = 0; i < L; ++i) {
         const StackLayer& l = w.layers[i];
-        const MlpWeights& mw = l.mlp;
         const int64_t S = ends[i] - starts[i];
         const at::Tensor &k = keys[i], &v = values[i];
         float *kp = k.data_ptr<float>() + starts[i] * k.stride(2), *vp = v.data_ptr<float>() + starts[i] * v.stride(2);
@@ -2587,24 +2606,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
         barrier.wait(n);
         run->work(scratch_rows);
         barrier.wait(n);
-        product(mw.o, attn, H * D, o);
-        barrier.wait(n);
-        if (mw.post_attention)  // h = x + post_attention(o), as mlp_rows
-          rms_rows(o, mw.post_attention, R, hidden, mw.eps, mw.offset, h);
-        else
-          std::memcpy(h, o, R * hidden * sizeof(float));
-        add_into(h, x, R * hidden);
-        rms_rows(h, mw.pre_feedforward, R, hidden, mw.eps, mw.offset, xn);
-        product(mw.gate_up, xn, hidden, gu);
-        barrier.wait(n);
-        gated_rows(gu, R, mw.I, mw.act, m);
-        product(mw.down, m, mw.I, down);
-        barrier.wait(n);
-        if (mw.post_feedforward)  // x = h + post_feedforward(down)
-          rms_rows(down, mw.post_feedforward, R, hidden, mw.eps, mw.offset, x);
-        else
-          std::memcpy(x, down, R * hidden * sizeof(float));
-        add_into(x, h, R * hidden);
+        mlp_rows(l.mlp, x, attn, R, {o, gu, down, h, xn, m}, x, product, [&] { barrier.wait(n); });
       }
       if (t == 0) std::memcpy(out.data_ptr<float>(), x, R * hidden * sizeof(float));
     }
