@@ -167,6 +167,44 @@ def test_a_replaced_weight_is_read_by_the_next_step(model, monkeypatch):
     assert not torch.equal(before[-1], fused[-1])
 
 
+def test_the_plan_is_gathered_again_after_any_change_below_the_layers_and_only_then(model, monkeypatch):
+    """Steps reuse the gathered plan until a module, parameter, buffer or hook below the layers changes, by any of
+    the ways torch and users change them (the stack counts the changes of the dicts that hold them)."""
+    stack, layers = model.decode_stack, model.model.layers
+    gathered = []
+    gather = stack._gather
+    monkeypatch.setattr(stack, "_gather", lambda layers: gathered.append(1) or gather(layers))
+
+    def steps_gather() -> int:
+        gathered.clear()
+        cache = kvgen.DynamicCache()
+        with torch.no_grad():
+            model(torch.tensor([[5, 6, 7]]), past_key_values=cache)
+            for token in (8, 9):
+                model(torch.tensor([[token]]), past_key_values=cache)
+        return len(gathered)
+
+    steps_gather()
+    assert steps_gather() == 0  # nothing changed: no step gathers
+    norm, down, mlp = layers[1].post_attention_layernorm, layers[1].mlp.down_proj, layers[1].mlp
+    weight, packed = norm.weight, down.packed_0
+    changes = [
+        lambda: setattr(norm, "weight", torch.nn.Parameter(weight.clone(), requires_grad=False)),
+        lambda: setattr(norm, "weight", weight),
+        lambda: down._buffers.__setitem__("packed_0", packed.clone()),
+        lambda: down._buffers.update(packed_0=packed),
+        lambda: down._buffers.setdefault("extra", None),
+        lambda: down._buffers.pop("extra"),
+        lambda: mlp._modules.update(down_proj=down),
+        lambda: layers.__setitem__(1, layers[1]),
+        lambda: model.model.layers[0].register_forward_pre_hook(lambda *a: None).remove(),
+    ]
+    for change in changes:
+        change()
+        assert steps_gather() == 1  # the step after the change gathers, the next ones reuse it
+    assert norm.weight is weight and down.packed_0 is packed
+
+
 def test_layer_hooks_still_run(model):
     seen = []
     handle = model.model.layers[0].register_forward_hook(lambda *a: seen.append(1))

@@ -11,9 +11,11 @@ per-layer path gives.
 
 The op's weight-side arguments (every layer's weights, norms, formats) are gathered once and registered
 with ``kvgen::decoder_stack``, which keeps them in C++ under an id the steps pass (not ~300 tensors in
-Python lists, converted at every call); each step checks that the layers still hold the same modules
-and tensors (identity of every entry of their ``_modules``, ``_parameters`` and ``_buffers``: ~0.1 ms
-for SmolLM2's 30 layers) and gathers them again when not.
+Python lists, converted at every call). They are gathered again when anything under the layers changes:
+the ``_modules``, ``_parameters``, ``_buffers`` and hook dicts of every module below them are swapped for
+watched dicts (:func:`_counting`), which count their changes, so a step compares one number (comparing the identity
+of every entry instead took 0.12-0.2 ms of a SmolLM2 step: ~540 entries, their cache lines cold after the
+step's 100 MB of weights).
 
 Example:
     >>> stack = DecodeStack(llama_layer_parts)                                        # doctest: +SKIP
@@ -22,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import operator
 import weakref
 from typing import Callable, NamedTuple
@@ -42,16 +45,40 @@ class LayerParts(NamedTuple):
     post_feedforward: torch.nn.Module | None = None
 
 
-def _entries(layers: torch.nn.ModuleList) -> tuple[list[dict], list[str], list[object]]:
-    """Every (dict, key, value) of the ``_modules``, ``_parameters`` and ``_buffers`` of ``layers`` and below."""
-    stores, keys, values = [], [], []
+_changes = [0]  # changes made to any watched dict so far
+
+
+def _counting(base: type) -> type:
+    """A subclass of ``base`` (``dict``, ``OrderedDict``) whose every change adds one to ``_changes[0]``: item
+    assignment and deletion, ``|=``, ``pop``, ``popitem``, ``clear``, ``update``, ``setdefault``. Pickled and
+    copied as a plain ``base``."""
+    def counted(method):
+        def call(self, *args, **kwargs):
+            _changes[0] += 1
+            return method(self, *args, **kwargs)
+        return call
+
+    names = ("__setitem__", "__delitem__", "__ior__", "pop", "popitem", "clear", "update", "setdefault")
+    namespace = {name: counted(getattr(base, name)) for name in names}
+    namespace.update(__slots__=(), __reduce__=lambda self: (base, (list(self.items()),)))
+    return type(f"_Watched{base.__name__}", (base,), namespace)
+
+
+_Watched, _WatchedHooks = _counting(dict), _counting(collections.OrderedDict)
+_STORES = ("_modules", "_parameters", "_buffers")
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+def _watch(layers: torch.nn.ModuleList) -> None:
+    """Swap the dicts of ``layers`` and every module below for watched ones (their contents kept)."""
     for module in layers.modules():
-        for store in (module._modules, module._parameters, module._buffers):
-            for key, value in store.items():
-                stores.append(store)
-                keys.append(key)
-                values.append(value)
-    return stores, keys, values
+        held = module.__dict__
+        for name in _STORES:
+            if type(held.get(name)) is dict:
+                held[name] = _Watched(held[name])
+        for name in _HOOKS:
+            if type(held.get(name)) is collections.OrderedDict:
+                held[name] = _WatchedHooks(held[name])
 
 
 class _Registered:
@@ -68,7 +95,6 @@ class _Plan(NamedTuple):
     kv_heads: int
     head_dim: int
     weights: _Registered
-    hooks: list[dict]  # each layer's forward hooks and forward pre-hooks (filled in place as hooks come)
 
 
 class DecodeStack:
@@ -83,7 +109,7 @@ class DecodeStack:
     def __init__(self, parts: Callable[[torch.nn.Module], LayerParts]):
         self.parts = parts
         self._layers: torch.nn.ModuleList | None = None
-        self._checked: tuple[list, list, list] = ([], [], [])  # what the plan was gathered from
+        self._gathered_at = -1  # _changes[0] when the plan was gathered
         self._plan: _Plan | None = None
         self._mask_layers: list[weakref.ref] = []  # the cache layers _mask_askers was worked out for (weakly)
         self._mask_windows: list[int | None] = []  # and the layers' windows
@@ -99,17 +125,17 @@ class DecodeStack:
         self.__init__(state["parts"])
 
     def _current_plan(self, layers: torch.nn.ModuleList) -> _Plan | None:
-        stores, keys, values = self._checked
-        if layers is self._layers and all(map(operator.is_, map(dict.get, stores, keys), values)):
+        if layers is self._layers and _changes[0] == self._gathered_at:
             return self._plan
-        self._layers, self._checked = layers, _entries(layers)
+        _watch(layers)
+        self._layers, self._gathered_at = layers, _changes[0]
         self._plan = self._gather(layers)
         return self._plan
 
     def _gather(self, layers: torch.nn.ModuleList) -> _Plan | None:
         parts = [self.parts(layer) for layer in layers]
-        if not parts:
-            return None
+        if not parts or any(getattr(layer, name) for layer in layers for name in _HOOKS):
+            return None  # (hooks see each layer's call)
         first = parts[0].attn
         heads, kv_heads, head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         norms = [p.input_norm for p in parts] + [p.pre_feedforward for p in parts]
@@ -139,8 +165,7 @@ class DecodeStack:
             [p.pre_feedforward.weight for p in parts], [_weight(p.post_feedforward) for p in parts],
             *segments([p.mlp.gate_up_proj for p in parts]), *segments([p.mlp.down_proj for p in parts]),
             heads, kv_heads, eps, head_norms[0].eps if head_norms else 0.0, offset, act)
-        return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, _Registered(args),
-                     [hooks for layer in layers for hooks in (layer._forward_hooks, layer._forward_pre_hooks)])
+        return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, _Registered(args))
 
     def _layer_masks(self, masks, cache, windows: list[int | None]) -> list[torch.Tensor | None] | None:
         """Each layer's mask, asked of ``masks`` once per group of layers sharing one; ``None`` if one is causal.
@@ -173,7 +198,7 @@ class DecodeStack:
         if cache is None or not _native(x, b * t) or tables[0][0].dtype != torch.float32:
             return None
         plan = self._current_plan(layers)
-        if plan is None or tables[0][0].shape[-1] != plan.head_dim or any(plan.hooks):  # hooks see each layer
+        if plan is None or tables[0][0].shape[-1] != plan.head_dim:
             return None
         count = len(plan.windows)
         layer_masks = self._layer_masks(masks, cache, plan.windows)  # before reserving: it asks the cache

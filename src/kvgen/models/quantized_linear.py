@@ -143,7 +143,7 @@ class QuantizedEmbedding(_Packed):
         self.num_embeddings, self.embedding_dim = weight.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        ((format, data),) = self.weight.segments
+        format, data = self.formats[0], self._buffers[self._segment_names[0]]  # (no PackedWeight built per step)
         flat = ids.reshape(-1)
         if ids.device.type != "cpu":
             out = dequantize_on_device(format, data.index_select(0, flat), self.embedding_dim)
