@@ -947,16 +947,21 @@ inline __m512 m512(const vf& v) {
   return out;
 }
 
+// byte tables built at compile time: a function-local static vector cost every use a guard check and
+// a load inside the products' loops
+template <class F>
+struct alignas(64) ByteTable {
+  uint8_t bytes[64];
+  constexpr ByteTable(F f) : bytes{} {
+    for (int i = 0; i < 64; ++i) bytes[i] = f(i);
+  }
+  __m512i get() const { return _mm512_load_si512(bytes); }
+};
+// byte 4 i + a <- byte 16 a + i
+constexpr ByteTable BY_ROW([](int b) { return (uint8_t)(16 * (b % 4) + b / 4); });
+
 // 4 runs of 16 bytes (byte i of run a: row i) -> byte 4 i + a: each row's 4 bytes in its lane
-inline __m512i by_row(const uint8_t* p) {
-  static const __m512i order = [] {
-    alignas(64) uint8_t idx[64];
-    for (int i = 0; i < 16; ++i)
-      for (int a = 0; a < 4; ++a) idx[4 * i + a] = (uint8_t)(16 * a + i);
-    return _mm512_load_si512(idx);
-  }();
-  return _mm512_permutexvar_epi8(order, _mm512_loadu_si512(p));
-}
+inline __m512i by_row(const uint8_t* p) { return _mm512_permutexvar_epi8(BY_ROW.get(), _mm512_loadu_si512(p)); }
 inline __m512i low4(__m512i v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline __m512i high4(__m512i v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 
@@ -995,19 +1000,21 @@ void Q5_0x16::dot_groups(const uint8_t* blk, F&& f) {
   const __m512i high = _mm512_or_si512(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32))),
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64))), 16));
-  static const __m512i bit = [] {
-    alignas(64) uint8_t idx[64];
-    for (int i = 0; i < 16; ++i)
-      for (int a = 0; a < 4; ++a) idx[4 * i + a] = (uint8_t)(32 * (i % 2) + a);
-    return _mm512_load_si512(idx);
-  }();
+  // table t: byte 4 i + a <- bit 4 t + a of row i's half (32 (i % 2)): u[j] takes table j, u[4 + j] table 4 + j
+  static constexpr struct alignas(64) Fifth {
+    uint8_t bytes[8][64];
+    constexpr Fifth() : bytes{} {
+      for (int t = 0; t < 8; ++t)
+        for (int b = 0; b < 64; ++b) bytes[t][b] = (uint8_t)(32 * (b / 4 % 2) + b % 4 + 4 * t);
+    }
+  } FIFTH;
   const __m512i fifth = _mm512_set1_epi8(16);
   __m512i u[8];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {
     const __m512i v = by_row(blk + 96 + 64 * j), lo = low4(v), hi = high4(v);
-    const __mmask64 bl = _mm512_bitshuffle_epi64_mask(high, _mm512_add_epi8(bit, _mm512_set1_epi8((char)(4 * j))));
-    const __mmask64 bh = _mm512_bitshuffle_epi64_mask(high, _mm512_add_epi8(bit, _mm512_set1_epi8((char)(16 + 4 * j))));
+    const __mmask64 bl = _mm512_bitshuffle_epi64_mask(high, _mm512_load_si512(FIFTH.bytes[j]));
+    const __mmask64 bh = _mm512_bitshuffle_epi64_mask(high, _mm512_load_si512(FIFTH.bytes[4 + j]));
     u[j] = _mm512_mask_add_epi8(lo, bl, lo, fifth);
     u[4 + j] = _mm512_mask_add_epi8(hi, bh, hi, fifth);
   }
