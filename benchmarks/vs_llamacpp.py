@@ -16,9 +16,9 @@ llama-bench alternate in fresh processes, ``--rounds`` times:
 * peak RSS of each process (``wait4``).
 
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
-plus the keys and values attended to) over the read bandwidth of a large ``sum`` or ``amax``,
-whichever is faster, measured in fresh processes just before and just after each kvgen worker
-(the higher of the two). Writes ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
+plus the keys and values attended to) over the read bandwidth of a 256 MB ``sum`` or ``amax``,
+whichever is faster, read in the worker just before and just after its batch-1 steps (the higher
+of the two; the worker's peak RSS is taken before the probe's buffer exists). Writes ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
 
     python benchmarks/vs_llamacpp.py                      # both models, 1 and 2 threads, 3 rounds
     python benchmarks/vs_llamacpp.py --models smollm2 --threads 2 --rounds 1
@@ -104,11 +104,13 @@ def attended_kv_bytes(model, cache, context: float) -> float:
 
 
 def kvgen_worker(model: str, threads: int) -> dict:
-    """Run in a fresh process: prefill 512 tokens, then 128 decode steps at batch 1 and 4."""
+    """Run in a fresh process: prefill 512 tokens, then 128 decode steps at batch 4 and 1; the read bandwidth just
+    before and just after the batch-1 steps (after the peak RSS is taken: the probe's 256 MB are not kvgen's)."""
     import torch
 
     torch.set_num_threads(threads)
     from kvgen import AutoModelForCausalLM, DynamicCache
+    from kvgen.bench import peak_rss_mb
 
     m = AutoModelForCausalLM.from_pretrained(model)
     vocab = m.config.vocab_size
@@ -122,35 +124,35 @@ def kvgen_worker(model: str, threads: int) -> dict:
         m(ids, past_key_values=DynamicCache(), logits_to_keep=1)
         rates = [PROMPT / _timed(lambda: m(ids, past_key_values=DynamicCache(), logits_to_keep=1)) for _ in range(REPS)]
         result["prefill_tok_s"] = statistics.mean(rates)
-        for batch in BATCHES:
+        probe = None
+        for batch in sorted(BATCHES, reverse=True):
             cache = DynamicCache()
             m(ids.expand(batch, -1), past_key_values=cache, logits_to_keep=1)
             # as llama-bench's generation test: random tokens fed one step at a time, the logits computed
             # but not sampled from (a greedy pick over Gemma 3's 262k logits is ~0.3 ms of a ~11 ms step)
             tokens = torch.randint(100, min(vocab, 30000), (batch, NEW + 3), generator=torch.Generator().manual_seed(1))
+            if batch == 1:  # the roofline's bandwidth, read on either side of the steps it divides
+                result["peak_rss_mb"] = peak_rss_mb()
+                probe = torch.ones(64 * 2**20)
+                result["read_bandwidths"] = [read_bandwidth(probe)]
             for i in range(3):
                 m(tokens[:, i:i + 1], past_key_values=cache)  # warm-up at this batch size
             start = time.perf_counter()
             for i in range(3, NEW + 3):
                 m(tokens[:, i:i + 1], past_key_values=cache)
             seconds = (time.perf_counter() - start) / NEW
+            if batch == 1:
+                result["read_bandwidths"].append(read_bandwidth(probe))
             result["decode_tok_s"][str(batch)] = batch / seconds
             result["step_bytes"][str(batch)] = weights + attended_kv_bytes(m, cache, PROMPT + 3 + NEW / 2)
-    from kvgen.bench import peak_rss_mb
-
-    result["peak_rss_mb"] = peak_rss_mb()
     return result
 
 
-def bandwidth_worker(threads: int) -> float:
-    """Run in a fresh process: the read bandwidth of ``threads`` threads, bytes/s. The best of two streaming reads
-    of 256 MB (far past the caches): torch's sum reads ~15% slower than its max on Zen 4 (45.6 against 54.0 GB/s,
-    2 threads), and kvgen's own Q8_0 lm_head product reached 54.6, so sum alone overstated the roofline."""
-    import torch
-
-    torch.set_num_threads(threads)
-    src = torch.ones(64 * 2**20)
-    return max(src.numel() * 4 / _timed(read) for read in (src.sum, src.amax) for _ in range(5))
+def read_bandwidth(src) -> float:
+    """The read bandwidth of this process's threads over ``src`` (256 MB, far past the caches), bytes/s: the best of
+    torch's ``sum`` and ``max``, 5 reads each (``sum`` alone reads ~15% slower than ``max`` on Zen 4: 45.6 against
+    54.0 GB/s, 2 threads, where kvgen's own Q8_0 lm_head product reached 54.6)."""
+    return max(src.numel() * src.element_size() / _timed(read) for read in (src.sum, src.amax) for _ in range(5))
 
 
 def _timed(fn) -> float:
@@ -196,13 +198,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "THREADS"), help=argparse.SUPPRESS)
-    parser.add_argument("--bandwidth-worker", type=int, metavar="THREADS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(kvgen_worker(args.worker[0], int(args.worker[1]))))
-        return
-    if args.bandwidth_worker:
-        print(bandwidth_worker(args.bandwidth_worker))
         return
     binary = llama_bench()
     paths = models()
@@ -211,13 +209,11 @@ def main() -> None:
         for threads in map(int, args.threads.split(",")):
             ours, theirs = [], []
             for _ in range(args.rounds):  # alternating, fresh processes
-                # the bandwidth read just before and just after the kvgen worker, in processes of their own (the
-                # worker's peak RSS stays its own), the higher of the two: the roofline is not flattered by a dip
-                bandwidth = [float(run_measured([sys.executable, __file__, "--bandwidth-worker", str(threads)])[0])]
-                out, rss = run_measured([sys.executable, __file__, "--worker", str(paths[name]), str(threads)])
-                bandwidth.append(float(run_measured([sys.executable, __file__, "--bandwidth-worker", str(threads)])[0]))
-                run = {**json.loads(out), "process_peak_rss_mb": rss, "read_bandwidth": max(bandwidth),
-                       "read_bandwidths": bandwidth}
+                out, _ = run_measured([sys.executable, __file__, "--worker", str(paths[name]), str(threads)])
+                run = json.loads(out)
+                # the higher of the bandwidths read just before and just after the batch-1 steps: the roofline is
+                # not flattered by a dip (read in processes of their own until 2026-11-27: seconds from the steps)
+                run["read_bandwidth"] = max(run["read_bandwidths"])
                 run["roofline"] = {batch: run["step_bytes"][batch] * run["decode_tok_s"][batch] / int(batch)
                                    / run["read_bandwidth"] for batch in run["step_bytes"]}
                 ours.append(run)
@@ -231,7 +227,7 @@ def main() -> None:
                   f"{row['llamacpp']['decode_tok_s']['1']:.1f} tok/s ({row['decode_ratio']:.2f}x, "
                   f"{row['kvgen']['roofline']['1']:.0%} of roofline), batch 4 {row['kvgen']['decode_tok_s']['4']:.1f}; "
                   f"prefill {row['kvgen']['prefill_tok_s']:.0f} vs {row['llamacpp']['prefill_tok_s']:.0f} tok/s "
-                  f"({row['prefill_ratio']:.2f}x); peak RSS {row['kvgen']['process_peak_rss_mb']:.0f} vs "
+                  f"({row['prefill_ratio']:.2f}x); peak RSS {row['kvgen']['peak_rss_mb']:.0f} vs "
                   f"{row['llamacpp']['peak_rss_mb']:.0f} MB", flush=True)
     results = {"cpu": _cpu(), "load_average": os.getloadavg(), "rows": rows}
     out = Path(args.out)
