@@ -167,6 +167,27 @@ def test_a_replaced_weight_is_read_by_the_next_step(model, monkeypatch):
     assert not torch.equal(before[-1], fused[-1])
 
 
+def test_a_weight_whose_data_is_set_anew_is_read_by_the_next_step(model, monkeypatch):
+    """``param.data = ...`` (as ``module.to(...)`` does) keeps the tensor object and changes no module dict: the stack
+    sees the data move and registers the weights anew, so its steps still give the per-layer path's bits."""
+    ids = torch.tensor([[5, 6, 7]])
+    padding = torch.ones_like(ids)
+    before, runs = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)  # registers the weights
+    norm, down = model.model.layers[1].post_attention_layernorm, model.model.layers[1].mlp.down_proj
+    weight, packed = norm.weight.data, down.packed_0.data
+    try:
+        norm.weight.data = weight * 2
+        down.packed_0.data = torch.flip(packed, [0]).contiguous()
+        fused, runs = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
+        plain, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
+    finally:
+        norm.weight.data, down.packed_0.data = weight, packed
+    assert runs == 2 and all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert not torch.equal(before[-1], fused[-1])
+    again, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)  # the data put back
+    assert all(torch.equal(a, b) for a, b in zip(before, again))
+
+
 def test_the_plan_is_gathered_again_after_any_change_below_the_layers_and_only_then(model, monkeypatch):
     """Steps reuse the gathered plan until a module, parameter, buffer or hook below the layers changes, by any of
     the ways torch and users change them (the stack counts the changes of the dicts that hold them)."""

@@ -25,6 +25,7 @@
 #include <atomic>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
@@ -2378,8 +2379,19 @@ struct StackLayer {
 struct StackWeights {
   std::vector<StackLayer> layers;
   std::vector<at::Tensor> norms;  // the tensors behind the layers' norm pointers
+  // every tensor the layers' pointers read, the storage it had and where its data was: a tensor whose data is
+  // set anew (``param.data = ...``, ``module.to(...)``) keeps its object, so the stack must look at the data
+  std::vector<std::tuple<at::Tensor, c10::Storage, const void*>> held;
   int64_t H, Hkv, D, hidden, I;  // I: the largest intermediate size
   double eps, head_eps, offset;
+
+  void hold(const at::Tensor& t) { held.emplace_back(t, t.storage(), t.const_data_ptr()); }
+  // whether a held tensor's data moved since registration (its old storage is kept alive: no dangling pointer)
+  bool moved() const {
+    for (const auto& [t, storage, data] : held)
+      if (t.const_data_ptr() != data) return true;
+    return false;
+  }
 };
 
 std::mutex g_stacks_mutex;
@@ -2424,7 +2436,7 @@ int64_t decoder_stack(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps
                              down_first = firsts(down, down_formats, down_counts, "down");
   auto w = std::make_shared<StackWeights>();
   const int64_t hidden = input_norms[0].numel();
-  *w = StackWeights{{}, {}, H, Hkv, 0, hidden, 0, eps, head_eps, offset};
+  *w = StackWeights{{}, {}, {}, H, Hkv, 0, hidden, 0, eps, head_eps, offset};
   auto slice = [](auto list, const std::vector<int64_t>& first, size_t i) {
     return list.slice(first[i], first[i + 1] - first[i]);
   };
@@ -2454,6 +2466,10 @@ int64_t decoder_stack(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps
     w->I = std::max(w->I, mlp.I);
     w->layers.push_back({input, qn, kn, std::move(p), std::move(mlp), scales[i], softcaps[i]});
   }
+  for (const StackLayer& l : w->layers)
+    for (const Product* p : {&l.qkv, &l.mlp.o, &l.mlp.gate_up, &l.mlp.down})
+      for (const at::Tensor& t : p->held) w->hold(t);
+  for (const at::Tensor& t : w->norms) w->hold(t);
   std::lock_guard<std::mutex> lock(g_stacks_mutex);
   g_stacks.emplace(g_next_stack, std::move(w));
   return g_next_stack++;
@@ -2494,7 +2510,8 @@ class SpinBarrier {
 // the same order, so the two paths give the same bits; here on raw rows in one scratch allocation,
 // with every check made before the first layer, and one attention plan for the layers that attend
 // over as many slots without a mask (the ops' ATen calls, allocations and plans were ~25 us a layer,
-// a sixth of a SmolLM2 step on 2 cores).
+// a sixth of a SmolLM2 step on 2 cores). Returns an empty tensor, having done nothing, where a registered
+// tensor's data has moved since kvgen::decoder_stack (the caller registers the weights anew).
 at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorList sin, at::IntArrayRef tables,
                           at::TensorList keys, at::TensorList values, at::IntArrayRef starts, at::IntArrayRef ends,
                           const c10::List<c10::optional<at::Tensor>>& masks, int64_t stack) {
@@ -2507,6 +2524,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
     found = it->second;
   }
   const StackWeights& w = *found;
+  if (w.moved()) return at::empty({0}, x0.options());  // nothing done: the caller registers the weights anew
   const size_t L = w.layers.size();
   const int64_t H = w.H, Hkv = w.Hkv, D = w.D, hidden = w.hidden;
   for (size_t n : {tables.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size()})

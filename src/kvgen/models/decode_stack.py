@@ -194,6 +194,17 @@ class DecodeStack:
         D) each, layer ``i`` taking ``tables[table_of[i]]``; ``masks``: the forward pass's
         :class:`~kvgen.models.base.LayerMasks`; ``cache``: the cache to extend.
         """
+        out = self._step(layers, x, tables, table_of, masks, cache)
+        if out is not None and out.numel() == 0:  # a registered tensor's data was set anew (`param.data = ...`)
+            self._layers = None  # gathered and registered again
+            out = self._step(layers, x, tables, table_of, masks, cache)
+            if out is not None and out.numel() == 0:
+                raise RuntimeError("kvgen: the decode stack's weights moved between their registration and the step")
+        return out
+
+    def _step(self, layers, x, tables, table_of, masks, cache) -> torch.Tensor | None:
+        """:meth:`run`'s step: ``None`` where the fused op does not apply, an empty tensor (nothing done, the cache
+        as it was) where a registered tensor's data moved since its registration."""
         b, t = x.shape[0], x.shape[1]
         if cache is None or not _native(x, b * t) or tables[0][0].dtype != torch.float32:
             return None
@@ -211,8 +222,11 @@ class DecodeStack:
             if reserved is None:
                 return None
             keys, values, starts, ends = zip(*reserved)
-            return torch.ops.kvgen.decoder_layers(x, [c for c, _ in tables], [s for _, s in tables], table_of, keys,
-                                                  values, starts, ends, layer_masks, plan.weights.id)
+            out = torch.ops.kvgen.decoder_layers(x, [c for c, _ in tables], [s for _, s in tables], table_of, keys,
+                                                 values, starts, ends, layer_masks, plan.weights.id)
         except BaseException:
             cache.crop(length)  # slots reserved but not all written (a layer refusing them, a failing op)
             raise
+        if out.numel() == 0:
+            cache.crop(length)
+        return out
