@@ -15,7 +15,9 @@ Python lists, converted at every call). They are gathered again when anything un
 the ``_modules``, ``_parameters``, ``_buffers`` and hook dicts of every module below them are swapped for
 watched dicts (:func:`_counting`), which count their changes, so a step compares one number (comparing the identity
 of every entry instead took 0.12-0.2 ms of a SmolLM2 step: ~540 entries, their cache lines cold after the
-step's 100 MB of weights).
+step's 100 MB of weights). A tensor whose data is set anew (``param.data = ...``, as ``module.to()`` does)
+changes no dict: the op compares each registered tensor's data pointer with the one it registered and, where
+one moved, does nothing; :meth:`DecodeStack.run` then registers the weights again.
 
 Example:
     >>> stack = DecodeStack(llama_layer_parts)                                        # doctest: +SKIP
