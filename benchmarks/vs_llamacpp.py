@@ -18,7 +18,8 @@ llama-bench alternate in fresh processes, ``--rounds`` times:
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
 plus the keys and values attended to) over the read bandwidth of a 256 MB ``sum`` or ``amax``,
 whichever is faster, read in the worker just before and just after its batch-1 steps (the higher
-of the two; the worker's peak RSS is taken before the probe's buffer exists). Writes ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
+of the two; the worker's peak RSS is taken before the probe's buffer exists). Writes
+``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
 
     python benchmarks/vs_llamacpp.py                      # both models, 1 and 2 threads, 3 rounds
     python benchmarks/vs_llamacpp.py --models smollm2 --threads 2 --rounds 1
