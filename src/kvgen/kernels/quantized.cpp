@@ -2378,7 +2378,6 @@ struct StackLayer {
 
 struct StackWeights {
   std::vector<StackLayer> layers;
-  std::vector<at::Tensor> norms;  // the tensors behind the layers' norm pointers
   // every tensor the layers' pointers read, the storage it had and where its data was: a tensor whose data is
   // set anew (``param.data = ...``, ``module.to(...)``) keeps its object, so the stack must look at the data
   std::vector<std::tuple<at::Tensor, c10::Storage, const void*>> held;
@@ -2436,7 +2435,7 @@ int64_t decoder_stack(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps
                              down_first = firsts(down, down_formats, down_counts, "down");
   auto w = std::make_shared<StackWeights>();
   const int64_t hidden = input_norms[0].numel();
-  *w = StackWeights{{}, {}, {}, H, Hkv, 0, hidden, 0, eps, head_eps, offset};
+  *w = StackWeights{{}, {}, H, Hkv, 0, hidden, 0, eps, head_eps, offset};
   auto slice = [](auto list, const std::vector<int64_t>& first, size_t i) {
     return list.slice(first[i], first[i + 1] - first[i]);
   };
@@ -2444,7 +2443,7 @@ int64_t decoder_stack(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps
     if (!t.has_value()) return nullptr;
     TORCH_CHECK(t->numel() == n && t->is_contiguous() && t->scalar_type() == at::kFloat, "kvgen: decoder_stack's ",
                 what, " norms hold ", n, " float32 weights");
-    w->norms.push_back(*t);
+    w->hold(*t);
     return t->data_ptr<float>();
   };
   for (size_t i = 0; i < L; ++i) {
@@ -2462,14 +2461,13 @@ int64_t decoder_stack(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps
                                  slice(down_formats, down_first, i), act, H * D, hidden, eps, offset);
     for (const c10::optional<at::Tensor>& t : {post_attention.get(i), c10::optional<at::Tensor>(pre_feedforward[i]),
                                                post_feedforward.get(i)})
-      if (t.has_value()) w->norms.push_back(*t);
+      if (t.has_value()) w->hold(*t);
     w->I = std::max(w->I, mlp.I);
     w->layers.push_back({input, qn, kn, std::move(p), std::move(mlp), scales[i], softcaps[i]});
   }
   for (const StackLayer& l : w->layers)
     for (const Product* p : {&l.qkv, &l.mlp.o, &l.mlp.gate_up, &l.mlp.down})
       for (const at::Tensor& t : p->held) w->hold(t);
-  for (const at::Tensor& t : w->norms) w->hold(t);
   std::lock_guard<std::mutex> lock(g_stacks_mutex);
   g_stacks.emplace(g_next_stack, std::move(w));
   return g_next_stack++;
