@@ -87,11 +87,14 @@ def forced_logits(model, ids, cache, prompt_length):
     return torch.stack(out).cpu()
 
 
-@pytest.mark.parametrize("backend, nbits", [("kivi", 2), ("quanto", 4), ("hqq", 4)])
-def test_quantized_cache_on_cuda_is_as_faithful_as_on_the_cpu(backend, nbits):
+@pytest.mark.parametrize("backend, nbits, apart", [("kivi", 2, 0.1), ("quanto", 4, 0.1), ("hqq", 4, 0.2)])
+def test_quantized_cache_on_cuda_is_as_faithful_as_on_the_cpu(backend, nbits, apart):
     """A code that rounds the other way (GPU and CPU sum in other orders) moves a logit by a whole step, so
-    the GPU's quantized logits are held to the CPU's on average: their mean distance is a tenth of the
-    quantization's own mean error (a GPU quantizer that were wrong would be as far off as that error)."""
+    the GPU's quantized logits are held to the CPU's on average: their mean distance is at most ``apart`` of
+    the quantization's own mean error (a GPU quantizer that were wrong would be as far off as that error).
+
+    HQQ optimizes its scales and zeros in float16 on a GPU and in float32 on a CPU (``hqq.core.optimize``), so
+    more codes differ: 0.128 of the error on an H100, and 0.128 on the CPU with its optimizer set to float16."""
     model = tiny(LLAMA)
     gpu = on(model, DEVICE)
     ids = prompt(length=36)
@@ -102,7 +105,7 @@ def test_quantized_cache_on_cuda_is_as_faithful_as_on_the_cpu(backend, nbits):
     cpu_error = (run["cpu"]["quantized"] - run["cpu"]["full"]).abs().mean()
     assert cpu_error > 0.01  # the cache did quantize
     torch.testing.assert_close(run["gpu"]["full"], run["cpu"]["full"], rtol=1e-4, atol=1e-3)
-    assert (run["gpu"]["quantized"] - run["cpu"]["quantized"]).abs().mean() <= 0.1 * cpu_error
+    assert (run["gpu"]["quantized"] - run["cpu"]["quantized"]).abs().mean() <= apart * cpu_error
     assert (run["gpu"]["quantized"] - run["gpu"]["full"]).abs().mean() <= 1.1 * cpu_error
 
 
@@ -119,13 +122,29 @@ def test_sink_cache_object_and_beam_search_on_cuda():
     assert torch.equal(gpu.generate(ids.to(DEVICE), **beams).cpu(), model.generate(ids, **beams))
 
 
-def test_compiled_static_decode_on_cuda_matches_eager():
-    gpu = on(tiny(LLAMA), DEVICE)
+COMPILED = [("static", LLAMA, None), ("sliding_window", MISTRAL, None), ("hybrid", GEMMA2, None),
+            ("static_sink", LLAMA, {"window_length": 12, "num_sink_tokens": 2})]
+
+
+@pytest.mark.parametrize("name, fields, cache_config", COMPILED, ids=[c[0] for c in COMPILED])
+def test_compiled_static_decode_on_cuda_replays_cuda_graphs_and_matches_eager(name, fields, cache_config):
+    """Compiled decode steps on a GPU replay CUDA graphs ("reduce-overhead"): none is skipped (a cache buffer
+    written in place without a fixed address would skip them), and the logits kept from every step are those
+    of eager steps (a graph's next replay overwrites its outputs)."""
+    from torch._dynamo.utils import counters
+
+    gpu = on(tiny(fields), DEVICE)
     ids = prompt().to(DEVICE)
-    eager = gpu.generate(ids, max_new_tokens=12, cache_implementation="static", disable_compile=True, **GREEDY)
-    compiled = gpu.generate(ids, max_new_tokens=12, cache_implementation="static", **GREEDY)
+    kwargs = dict(max_new_tokens=12, cache_implementation=name, cache_config=cache_config, **GREEDY)
+    eager = gpu.generate(ids, disable_compile=True, **kwargs)
+    counters.clear()
+    compiled = gpu.generate(ids, **kwargs)
     assert getattr(gpu, "_compiled_forward", None) is not None  # the decode steps ran the compiled forward
+    assert gpu._compiled_mode == "reduce-overhead"
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
     assert_same_generation(compiled, eager, atol=1e-4)
+    again = gpu.generate(ids, **kwargs)  # a new cache: graphs recorded again for its buffers
+    assert_same_generation(again, eager, atol=1e-4)
 
 
 def test_bfloat16_on_cuda_stays_close_to_float32():

@@ -430,6 +430,17 @@ class Cache:
         return f"{type(self).__name__}(layers={len(self.layers)}, seq_length={self.get_seq_length()})"
 
 
+def fixed_address(*tensors: torch.Tensor) -> None:
+    """Mark a compileable layer's GPU buffers, which compiled decode steps write in place, as kept at one address.
+
+    torch.compile's CUDA graphs (the "reduce-overhead" mode kvgen compiles GPU decode steps with) can then
+    replay those writes; without the mark they skip graphs for a step that mutates its inputs.
+    """
+    for tensor in tensors:
+        if tensor.is_cuda:
+            torch._dynamo.mark_static_address(tensor)
+
+
 def _first_last(cache_position: torch.Tensor) -> tuple[int, int]:
     """The first and last entries of a 1-D ``cache_position`` (one read for a decode step's single entry)."""
     if cache_position.shape[0] == 1:

@@ -43,7 +43,8 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, check_next_positions, snapshot, config_value, text_config
+from kvgen.cache.base import (Cache, CacheLayer, check_next_positions, config_value, fixed_address, snapshot,
+                              text_config)
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import repeat_batch_rows, select_batch_rows
 from kvgen.rope import apply_rotary
@@ -124,6 +125,7 @@ class SinkLayer(CacheLayer):
         self._raw = torch.zeros(batch, heads, s + 1, k_dim, device=device, dtype=dtype)
         self._seen = torch.zeros(1, dtype=torch.long, device=device)
         self._first = torch.full((1,), s, dtype=torch.long, device=device)
+        fixed_address(self._k, self._v, self._raw, self._seen, self._first)
 
     # -- the plan shared by update and key_positions -----------------------------------------------
     def _window_tokens(self, cache_position: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
+from kvgen.cache.base import Cache, CacheLayer, config_value, fixed_address, text_config
 from kvgen.cache.registry import register_cache
 
 
@@ -69,6 +69,7 @@ class StaticLayer(CacheLayer):
         self._v = torch.zeros(batch, heads, self.max_cache_len, v_dim, device=device, dtype=dtype)
         self._seen = torch.zeros(1, dtype=torch.long, device=device)
         self._positions = torch.arange(self.max_cache_len, device=device)
+        fixed_address(self._k, self._v, self._seen, self._positions)
 
     def update(self, key, value, cache_position):
         if self._k is None:

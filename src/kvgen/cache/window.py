@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, check_next_positions, snapshot, config_value, text_config
+from kvgen.cache.base import (Cache, CacheLayer, check_next_positions, config_value, fixed_address, snapshot,
+                              text_config)
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import StaticLayer, repeat_batch_rows, select_batch_rows
 
@@ -63,6 +64,7 @@ class SlidingWindowLayer(CacheLayer):
         self._v = torch.zeros(batch, heads, self.slots, v_dim, device=device, dtype=dtype)
         self._pos = torch.full((self.slots,), -1, dtype=torch.long, device=device)
         self._seen = torch.zeros(1, dtype=torch.long, device=device)
+        fixed_address(self._k, self._v, self._pos, self._seen)
 
     # -- the plan shared by update and key_positions ---------------------------------------------------
     def _plan(self, cache_position: torch.Tensor) -> tuple[bool, int]:

@@ -303,6 +303,7 @@ class GenerationMixin:
         # Static shapes: the mask always spans every slot, so one compiled graph serves all steps.
         compiled = self.compiled_forward()
         capacity = cache.get_max_cache_shape()
+        graphs = self.device.type == "cuda"  # a CUDA graph's next replay overwrites its outputs: keep a copy
 
         def static(input_ids, attention_mask, position_ids):
             t = input_ids.shape[1] - 1
@@ -310,14 +311,21 @@ class GenerationMixin:
             full_mask[:, : attention_mask.shape[1]] = attention_mask
             # fresh canonical strides: slices of the growing tensors change stride every step (even at
             # batch 1, where .contiguous() keeps them), which would recompile
-            return compiled(input_ids[:, -1:].clone(memory_format=torch.contiguous_format), attention_mask=full_mask,
-                            position_ids=position_ids[:, -1:].clone(memory_format=torch.contiguous_format),
-                            past_key_values=cache, use_cache=True,
-                            cache_position=torch.tensor([t], device=input_ids.device), logits_to_keep=1).logits
+            logits = compiled(input_ids[:, -1:].clone(memory_format=torch.contiguous_format), attention_mask=full_mask,
+                              position_ids=position_ids[:, -1:].clone(memory_format=torch.contiguous_format),
+                              past_key_values=cache, use_cache=True,
+                              cache_position=torch.tensor([t], device=input_ids.device), logits_to_keep=1).logits
+            return logits.clone() if graphs else logits
         return static
 
     def compiled_forward(self):
-        """``torch.compile``'d forward for static-shape decode steps (built once per model)."""
-        if getattr(self, "_compiled_forward", None) is None:
-            self._compiled_forward = torch.compile(self.forward, dynamic=False, fullgraph=False)
+        """``torch.compile``'d forward for static-shape decode steps (built once per model and device type).
+
+        On a GPU it compiles with ``mode="reduce-overhead"``: each step replays a CUDA graph, writing the
+        cache's buffers in place (they keep one address, see ``fixed_address``).
+        """
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        if getattr(self, "_compiled_forward", None) is None or getattr(self, "_compiled_mode", None) != mode:
+            self._compiled_forward = torch.compile(self.forward, mode=mode, dynamic=False, fullgraph=False)
+            self._compiled_mode = mode
         return self._compiled_forward
