@@ -188,6 +188,38 @@ def test_a_weight_whose_data_is_set_anew_is_read_by_the_next_step(model, monkeyp
     assert all(torch.equal(a, b) for a, b in zip(before, again))
 
 
+def test_a_setting_changed_after_registration_is_read_by_the_next_step(model, monkeypatch):
+    """The stack copies the layers' settings (attention scales, the norms' epsilon, the activation) into C++ when it
+    registers the weights; a setting assigned afterwards counts as a change, so the next step registers them again
+    and gives the per-layer path's bits with the new setting."""
+    ids = torch.tensor([[5, 6, 7]])
+    padding = torch.ones_like(ids)
+    before, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)  # registers the weights
+    parts = [model.decode_stack.parts(layer) for layer in model.model.layers]
+    attn, mlps = parts[1].attn, [p.mlp for p in parts]
+    norms = [n for p in parts for n in (p.input_norm, p.pre_feedforward)]
+    settings = attn.scaling, norms[0].eps, mlps[0].act_name
+    other = "silu" if settings[2] == "gelu_pytorch_tanh" else "gelu_pytorch_tanh"  # both fused activations
+
+    def assign(scaling, eps, act_name):
+        attn.scaling = scaling  # one layer's (the stack takes one per layer)
+        for norm in norms:  # every layer's alike (the stack takes one epsilon, one activation)
+            norm.eps = eps
+        for mlp in mlps:
+            mlp.act_name = act_name
+
+    try:
+        assign(settings[0] * 0.5, 0.25, other)
+        fused, runs = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
+        plain, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
+    finally:
+        assign(*settings)
+    assert runs == 2 and all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert not torch.equal(before[-1], fused[-1])
+    again, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)  # the settings put back
+    assert all(torch.equal(a, b) for a, b in zip(before, again))
+
+
 def test_the_plan_is_gathered_again_after_any_change_below_the_layers_and_only_then(model, monkeypatch):
     """Steps reuse the gathered plan until a module, parameter, buffer or hook below the layers changes, by any of
     the ways torch and users change them (the stack counts the changes of the dicts that hold them)."""

@@ -17,7 +17,8 @@ watched dicts (:func:`_counting`), which count their changes, so a step compares
 of every entry instead took 0.12-0.2 ms of a SmolLM2 step: ~540 entries, their cache lines cold after the
 step's 100 MB of weights). A tensor whose data is set anew (``param.data = ...``, as ``module.to()`` does)
 changes no dict: the op compares each registered tensor's data pointer with the one it registered and, where
-one moved, does nothing; :meth:`DecodeStack.run` then registers the weights again.
+one moved, does nothing; :meth:`DecodeStack.run` then registers the weights again. The layers' settings (scales,
+epsilons, activations: plain attributes, copied into C++ too) count their assignments (:class:`CountedSettings`).
 
 Example:
     >>> stack = DecodeStack(llama_layer_parts)                                        # doctest: +SKIP
@@ -67,6 +68,27 @@ def _counting(base: type) -> type:
 
 
 _Watched, _WatchedHooks = _counting(dict), _counting(collections.OrderedDict)
+
+
+class CountedSettings:
+    """Mixin of the modules whose settings (plain attributes: attention scale, soft-cap, norm epsilon, activation
+    name, ...) the stack copies into C++ when it registers their weights: assigning any of their attributes counts
+    as a change. ``nn.Module.__setattr__`` keeps plain values in the instance's own dict, which no watched dict sees.
+
+    Example:
+        >>> class Norm(CountedSettings, torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.eps = 1e-6
+        >>> norm, before = Norm(), _changes[0]
+        >>> norm.eps = 1e-5
+        >>> _changes[0] == before + 1
+        True
+    """
+
+    def __setattr__(self, name: str, value) -> None:
+        _changes[0] += 1
+        super().__setattr__(name, value)
 _STORES = ("_modules", "_parameters", "_buffers")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 

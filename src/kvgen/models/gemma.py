@@ -27,7 +27,7 @@ from kvgen.config import GEMMA3_TYPES
 from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
-from kvgen.models.decode_stack import DecodeStack, LayerParts
+from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts
 from kvgen.models.linear import Linear
 from kvgen.models.llama import LlamaForCausalLM, attention_inputs, gated_mlp
 from kvgen.outputs import CausalLMOutputWithPast
@@ -37,7 +37,7 @@ ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "ge
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(CountedSettings, nn.Module):
     """RMSNorm scaled by ``1 + weight`` (the stored weight is centred on 0), computed in float32.
 
     Example:
@@ -91,7 +91,7 @@ def softcapped_attention(q, k, v, mask, is_causal: bool, scale: float, softcap: 
     return torch.matmul(probs, v.unsqueeze(2)).view(b, h, t, d)  # (B, Hkv, G, T, D) -> (B, H, T, D)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(CountedSettings, nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -138,7 +138,7 @@ class GemmaAttention(nn.Module):
         return out.transpose(1, 2).flatten(2)
 
 
-class GemmaMLP(nn.Module):
+class GemmaMLP(CountedSettings, nn.Module):
     def __init__(self, config):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)

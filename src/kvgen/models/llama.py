@@ -18,7 +18,7 @@ from torch import nn
 from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
-from kvgen.models.decode_stack import DecodeStack, LayerParts
+from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts
 from kvgen.models.linear import Linear
 from kvgen.models.packed import cat_rows
 from kvgen.outputs import CausalLMOutputWithPast
@@ -28,7 +28,7 @@ ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CountedSettings, nn.Module):
     offset = 0.0  # scales by weight + offset (Gemma's norms: 1)
 
     def __init__(self, dim: int, eps: float):
@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class Attention(nn.Module):
+class Attention(CountedSettings, nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -93,7 +93,7 @@ class Attention(nn.Module):
         return out.transpose(1, 2).flatten(2)
 
 
-class MLP(nn.Module):
+class MLP(CountedSettings, nn.Module):
     def __init__(self, config):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
