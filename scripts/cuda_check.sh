@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Every CUDA check of kvgen in one run, for a lent GPU machine whose Python already holds torch (CUDA),
+# transformers, pytest and pytest-xdist but not kvgen's other needs: run from the repository root,
+#   bash scripts/cuda_check.sh [WHEELS]
+# WHEELS: a folder of wheels to install first (default .whl), for what that machine lacks: gguf, and for
+# the quantized caches' quanto and HQQ backends optimum-quanto, hqq and termcolor. Fetch them here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
+#     gguf==0.19.0 optimum-quanto==0.2.7 termcolor
+#   .venv/bin/python -m pip wheel --no-deps -w .whl hqq==0.2.8.post1   # (published as a source archive only)
+# It builds kvgen's CPU kernels (the tests compare the GPU with the CPU: ~45 s), runs the CUDA tests of
+# tests/test_cuda.py, test_offload.py and test_persist.py on 8 workers (~2.5 min on an H100 host), then
+# benchmarks/cuda_decode.py (~1.5 min). TESTS_S and BENCH_S cap each part (seconds). Output goes to
+# $OUT/cuda_check.log (or ./cuda_check.log) and the benchmark's JSON to $OUT (or benchmarks/results/).
+set -u
+cd "$(dirname "$0")/.."
+wheels="${1:-.whl}"
+log="${OUT:-.}/cuda_check.log"
+exec > >(tee "$log") 2>&1
+nvidia-smi -L
+lscpu | grep -E 'Model name'
+python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvgen-site "$wheels"/*.whl \
+    || exit 1
+fi
+export PYTHONPATH="/tmp/kvgen-site:$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+start=$(date +%s)
+python3 -c 'import kvgen.kernels as k; print("kernels:", k.unavailable_reason() or "built")'
+echo "kernels ready at $(( $(date +%s) - start )) s"
+timeout "${TESTS_S:-240}" python3 -m pytest -q -n 8 -rfE --durations=5 -p no:cacheprovider tests/test_cuda.py \
+  tests/test_persist.py::test_round_trip_on_cuda \
+  tests/test_offload.py::test_cuda_keeps_two_layers_on_the_gpu_in_pinned_memory_otherwise
+echo "tests done at $(( $(date +%s) - start )) s"
+timeout "${BENCH_S:-180}" python3 benchmarks/cuda_decode.py --repeats 2
+echo "all done at $(( $(date +%s) - start )) s"
