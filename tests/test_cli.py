@@ -340,9 +340,75 @@ def test_generate_with_drafts_prints_plain_greedy_text_and_the_acceptance_rate(d
         assert float(rate) > 0
 
 
+def run_generate(capsys, *argv):
+    """(printed text, stats line) of ``kvgen generate *argv``."""
+    assert main(["generate", *argv]) == 0
+    return capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+
+
+def test_llama_cpp_short_options_mean_the_long_ones(smollm_gguf, capsys):
+    from kvgen.loading.default_model import default_gguf_path
+
+    model, tokenizer = smollm_gguf
+    threads = torch.get_num_threads()
+    try:
+        text, stats = run_generate(capsys, "-m", str(default_gguf_path()), "-n", "5", "-t", "1", "-p", "The sea")
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    expected, new = continuation(model, tokenizer, tokenizer("The sea", return_tensors="pt"), 5)
+    assert text == "The sea" + expected and parse_stats(stats)[2] == new
+
+
+@pytest.mark.parametrize("options, settings", [
+    (["--temp", "0.7", "--top-p", "0.9"], dict(temperature=0.7, top_p=0.9)),
+    (["--top-k", "20", "--repeat-penalty", "1.3"], dict(top_k=20, repetition_penalty=1.3)),
+    (["--do-sample", "--temperature", "1.5"], dict(temperature=1.5)),
+])
+def test_sampling_options_sample_as_generate_does_with_that_seed(options, settings, smollm_gguf, capsys):
+    model, tokenizer = smollm_gguf
+    text, stats = run_generate(capsys, "-n", "8", "-s", "123", *options)
+    assert stats.endswith(" seed=123")
+    inputs = tokenizer(DEFAULT_PROMPT, return_tensors="pt")
+    torch.manual_seed(123)
+    out = model.generate(**inputs, max_new_tokens=8, do_sample=True, **settings)
+    new = out[0, inputs["input_ids"].shape[1]:]
+    assert text == DEFAULT_PROMPT + tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_a_sampled_run_prints_its_seed_which_repeats_it(smollm_gguf, capsys):
+    first, stats = run_generate(capsys, "-n", "8", "--do-sample")
+    seed = re.search(r" seed=(\d+)$", stats).group(1)
+    again, stats = run_generate(capsys, "-n", "8", "--do-sample", "--seed", seed)
+    assert again == first and stats.endswith(f" seed={seed}")
+
+
+def test_temperature_zero_is_greedy_and_so_is_no_sampling_option(smollm_gguf, capsys):
+    model, tokenizer = smollm_gguf
+    expected, _ = continuation(model, tokenizer, tokenizer(DEFAULT_PROMPT, return_tensors="pt"), 8)
+    for options in (["--temp", "0", "--top-k", "5", "--do-sample"], ["--seed", "7"]):
+        text, stats = run_generate(capsys, "-n", "8", *options)
+        assert text == DEFAULT_PROMPT + expected and " seed=" not in stats
+        parse_stats(stats)  # (the greedy stats line, as before)
+
+
+def test_repeat_penalty_applies_to_greedy_runs_too(smollm_gguf, capsys):
+    model, tokenizer = smollm_gguf
+    inputs = tokenizer(DEFAULT_PROMPT, return_tensors="pt")
+    plain, _ = continuation(model, tokenizer, inputs, 20)
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False, repetition_penalty=1.5)
+    penalized = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert penalized != plain  # (the penalty changes this continuation)
+    text, stats = run_generate(capsys, "-n", "20", "--repeat-penalty", "1.5")
+    assert text == DEFAULT_PROMPT + penalized and " seed=" not in stats
+
+
 @pytest.mark.parametrize("argv,message", [
     (["generate", "--model", "/nonexistent/model.gguf"], "/nonexistent/model.gguf does not exist"),
     (["generate", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1, not 0"),
+    (["generate", "--temp", "-1"], "--temperature: must be 0 or more, not -1"),
+    (["generate", "--top-p", "0"], "--top-p: must be above 0 and at most 1, not 0"),
+    (["generate", "-t", "0"], "--threads: must be at least 1, not 0"),
     (["generate", "--cache", "quantized", "--cache-config", "nbits=3"], "nbits"),
     (["chat", "--load", "/nonexistent/chat.safetensors"], "is missing; --load takes a file written by --save"),
 ])

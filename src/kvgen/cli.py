@@ -1,7 +1,8 @@
 """The ``kvgen`` command: ``generate`` (the main job), ``chat``, ``transcribe``, ``bench`` and ``serve``.
 
     kvgen generate                        # default model, default prompt, stats line
-    kvgen generate "The sea" --cache static --max-new-tokens 50 --stream
+    kvgen generate "The sea" --cache static --max-new-tokens 50
+    kvgen generate -m model.gguf -p "The sea" -n 50 -t 2 --temp 0.8 --top-p 0.95   # llama.cpp's spellings
     kvgen chat                            # multi-turn chat on one cache
     kvgen transcribe speech.wav           # Whisper (packaged tiny.en unless --model)
     kvgen bench                           # kvgen vs transformers side by side
@@ -73,7 +74,8 @@ def _make_cache(model, name: str, cache_config, max_cache_len: int):
                         dtype=model.dtype, cache_config=cache_config)
 
 
-def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: TokenTimer, speculation=None) -> str:
+def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: TokenTimer, speculation=None,
+                seed: int | None = None) -> str:
     from kvgen.bench import peak_rss_mb
 
     prefill = clock.prefill_seconds()
@@ -82,13 +84,43 @@ def _stats_line(model, cache, prompt_tokens: int, new_tokens: int, clock: TokenT
     return (f"[kvgen] cache={type(cache).__name__} prompt_tokens={prompt_tokens} new_tokens={new_tokens} "
             f"prefill_s={prefill:.4f} prompt_tok_per_s={prompt_tokens / prefill:.1f} "
             f"decode_tok_per_s={clock.decode_tokens_per_second():.2f} weights={model.weight_format} "
-            f"peak_rss_mb={peak_rss_mb():.0f} cache_bytes={cache.nbytes()}{drafts}")
+            f"peak_rss_mb={peak_rss_mb():.0f} cache_bytes={cache.nbytes()}{drafts}"
+            f"{'' if seed is None else f' seed={seed}'}")
+
+
+def _sampling(args) -> tuple[dict, int | None]:
+    """``generate()``'s sampling settings from the options, and the seed it samples with (None: greedy).
+
+    As llama.cpp's and mlx-lm's ``--temp``: a temperature above 0 samples and 0 is greedy; ``--top-k``,
+    ``--top-p`` and ``--do-sample`` sample too. The seed is ``--seed``, else a fresh one (printed, to repeat a run).
+    """
+    import torch
+
+    sampling = args.temperature != 0 and (args.do_sample or args.temperature is not None
+                                          or args.top_k is not None or args.top_p is not None)
+    given = {"repetition_penalty": args.repeat_penalty}  # (a setting passed as None would turn it off)
+    if sampling:
+        given.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    settings = {"do_sample": sampling, **{name: value for name, value in given.items() if value is not None}}
+    if not sampling:
+        return settings, None
+    seed = args.seed if args.seed is not None else torch.seed()
+    torch.manual_seed(seed)
+    return settings, seed
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def cmd_generate(args) -> int:
     if args.prompt is not None and args.prompt_option is not None:
         raise ValueError("give the prompt once: as the argument or with -p/--prompt, not both")
     prompt = next((p for p in (args.prompt_option, args.prompt) if p is not None), DEFAULT_PROMPT)
+    _set_threads(args.threads)
     model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size)
     if args.chat:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -114,11 +146,11 @@ def cmd_generate(args) -> int:
         reused = min(cache.common_prefix_length(inputs["input_ids"]), prompt_tokens - 1)
     else:
         cache = _make_cache(model, args.cache, args.cache_config, prompt_tokens + args.max_new_tokens)
+    sampling, seed = _sampling(args)
     out = model.generate(**inputs.to(model.device), past_key_values=cache, max_new_tokens=args.max_new_tokens,
-                         do_sample=args.do_sample, temperature=args.temperature, streamer=clock,
-                         return_dict_in_generate=True, **drafting)
+                         streamer=clock, return_dict_in_generate=True, **sampling, **drafting)
     new = out.sequences[0, prompt_tokens:]
-    print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock, out.speculation))
+    print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock, out.speculation, seed))
     if prompt_cache is not None:
         saved = not prompt_cache.exists()
         if saved:  # first use: keep the prompt's keys and values (not the reply's) for later runs
@@ -158,6 +190,7 @@ def _messages_file(path: Path) -> Path:
 
 
 def cmd_chat(args) -> int:
+    _set_threads(args.threads)
     model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size)
     if args.load:
         from kvgen.cache.persist import load_cache
@@ -229,11 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def common(p):
-        p.add_argument("--model", help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
+        p.add_argument("-m", "--model",
+                       help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
+        p.add_argument("-t", "--threads", type=_positive_int, metavar="N",
+                       help="CPU threads (default: torch's, one per core)")
         p.add_argument("--cache", default="dynamic", choices=cache_implementations(), help="cache implementation")
         p.add_argument("--cache-config", type=parse_cache_config, default=None, metavar="KEY=VALUE,...",
                        help="settings of the cache, e.g. backend=kivi,nbits=2 for --cache quantized")
-        p.add_argument("--max-new-tokens", type=_positive_int, default=30)
+        p.add_argument("-n", "--max-new-tokens", type=_positive_int, default=30, metavar="N")
         p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                        help="compute and weight dtype (default: a GGUF's weights stay in their stored types, "
                             "float checkpoints load in float32)")
@@ -248,8 +284,15 @@ def build_parser() -> argparse.ArgumentParser:
     common(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)  # streaming is the default now
-    g.add_argument("--do-sample", action="store_true")
-    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--do-sample", action="store_true", help="sample (temperature 1 unless --temp)")
+    g.add_argument("--temp", "--temperature", dest="temperature", type=_non_negative_float, metavar="T",
+                   help="sampling temperature: above 0 samples, 0 is greedy (default: greedy)")
+    g.add_argument("--top-k", type=_positive_int, metavar="K", help="sample from the K likeliest tokens")
+    g.add_argument("--top-p", type=_probability, metavar="P", help="sample from the likeliest tokens holding P")
+    g.add_argument("--repeat-penalty", "--repetition-penalty", dest="repeat_penalty", type=_positive_float,
+                   metavar="R", help="divide the scores of tokens already in the text by R (transformers' "
+                                     "repetition_penalty; 1: none)")
+    g.add_argument("-s", "--seed", type=int, metavar="N", help="seed of the sampling (default: a fresh one, printed)")
     g.add_argument("--lookup", type=_positive_int, metavar="N",
                    help="speculative decoding: draft N tokens by prompt lookup (n-grams of the text so far)")
     g.add_argument("--draft-model", metavar="PATH",
@@ -321,6 +364,27 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def _probability(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, not {text}")
     return value
 
 
