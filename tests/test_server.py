@@ -82,8 +82,8 @@ class Server:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "kvgen.cli", "serve", "--model", str(folder), "--served-model-name", "tiny",
-                   "--port", str(self.port), "--kv-cache-memory", "4MB", *args]
+        command = [sys.executable, "-m", "kvgen.cli", "serve", "-m", str(folder), "--served-model-name", "tiny",
+                   "--port", str(self.port), "--kv-cache-memory", "4MB", "-t", "1", *args]  # (llama-server's -m, -t)
         self.log = tempfile.TemporaryFile("w+")
         env = {**os.environ, "KVGEN_DISABLE_COMPILE": "1", "OMP_NUM_THREADS": "1"}  # a tiny model: one thread
         self.process = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)

@@ -245,6 +245,7 @@ def cmd_serve(args) -> int:
     from kvgen.serving import ContinuousBatchingConfig
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
+    _set_threads(args.threads)
     model, tokenizer = load(args.model, args.dtype)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
@@ -337,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    s.add_argument("--model", help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
+    s.add_argument("-m", "--model", help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
+    s.add_argument("-t", "--threads", type=_positive_int, metavar="N", help="CPU threads (default: torch's)")
     s.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model as given)")
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
