@@ -360,6 +360,14 @@ def test_llama_cpp_short_options_mean_the_long_ones(smollm_gguf, capsys):
     assert text == "The sea" + expected and parse_stats(stats)[2] == new
 
 
+def test_the_prompt_from_a_file_on_the_device_asked_for(smollm_gguf, capsys, tmp_path):
+    model, tokenizer = smollm_gguf
+    (tmp_path / "prompt.txt").write_text("The sea is", encoding="utf-8")
+    text, stats = run_generate(capsys, "-f", str(tmp_path / "prompt.txt"), "-n", "5", "--device", "cpu")
+    expected, new = continuation(model, tokenizer, tokenizer("The sea is", return_tensors="pt"), 5)
+    assert text == "The sea is" + expected and parse_stats(stats)[2] == new
+
+
 @pytest.mark.parametrize("options, settings", [
     (["--temp", "0.7", "--top-p", "0.9"], dict(temperature=0.7, top_p=0.9)),
     (["--top-k", "20", "--repeat-penalty", "1.3"], dict(top_k=20, repetition_penalty=1.3)),
@@ -409,6 +417,11 @@ def test_repeat_penalty_applies_to_greedy_runs_too(smollm_gguf, capsys):
     (["generate", "--temp", "-1"], "--temperature: must be 0 or more, not -1"),
     (["generate", "--top-p", "0"], "--top-p: must be above 0 and at most 1, not 0"),
     (["generate", "-t", "0"], "--threads: must be at least 1, not 0"),
+    (["generate", "-f", "/nonexistent/prompt.txt"], "/nonexistent/prompt.txt"),
+    (["generate", "-p", "x", "-f", "/nonexistent/prompt.txt"], "give the prompt once"),
+    (["generate", "--device", "tpu9"], "'tpu9' is not a device"),
+    (["generate", "-p", ""], "input_ids holds no tokens"),
+    *([] if torch.cuda.is_available() else [(["generate", "--device", "cuda"], "no CUDA GPU is available here")]),
     (["generate", "--cache", "quantized", "--cache-config", "nbits=3"], "nbits"),
     (["chat", "--load", "/nonexistent/chat.safetensors"], "is missing; --load takes a file written by --save"),
 ])

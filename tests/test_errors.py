@@ -190,6 +190,11 @@ def test_max_length_not_longer_than_the_prompt(model):
         model.generate(ids(6), max_length=6)
 
 
+def test_an_empty_prompt(model):
+    with pytest.raises(ValueError, match=r"input_ids holds no tokens.*at least one"):
+        model.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=3)
+
+
 # -- forward() arguments --------------------------------------------------------------------------------------------
 
 @pytest.fixture

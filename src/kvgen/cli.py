@@ -23,11 +23,13 @@ from kvgen.generation.streamers import TextStreamer, TokenTimer
 DEFAULT_PROMPT = "Once upon a time, there was a little"
 
 
-def load(model: str | None, dtype: str | None, quantize: str | None = None, group_size: int = 32):
+def load(model: str | None, dtype: str | None, quantize: str | None = None, group_size: int = 32,
+         device: str | None = None):
     """Model and tokenizer from a folder, hub id or .gguf file; the packaged default GGUF when None.
 
     ``dtype`` None keeps a GGUF's weights in their stored types (float checkpoints load in
-    float32); ``quantize`` ("int8" / "int4") quantizes linear layers at load.
+    float32); ``quantize`` ("int8" / "int4") quantizes linear layers at load; ``device``: where
+    the model runs (``device_map``; None: the CPU).
     """
     from kvgen import AutoModelForCausalLM, TorchAoConfig
     from kvgen.tokenizer import AutoTokenizer
@@ -39,7 +41,8 @@ def load(model: str | None, dtype: str | None, quantize: str | None = None, grou
     if not Path(model).exists() and (model.endswith(".gguf") or model.startswith((".", "/", "~"))):
         raise FileNotFoundError(f"model path {model} does not exist")
     quantization = None if quantize is None else TorchAoConfig(f"{quantize}_weight_only", group_size=group_size)
-    return (AutoModelForCausalLM.from_pretrained(model, dtype=dtype, quantization_config=quantization),
+    return (AutoModelForCausalLM.from_pretrained(model, dtype=dtype, quantization_config=quantization,
+                                                 device_map=device),
             AutoTokenizer.from_pretrained(model))
 
 
@@ -117,11 +120,13 @@ def _set_threads(threads: int | None) -> None:
 
 
 def cmd_generate(args) -> int:
-    if args.prompt is not None and args.prompt_option is not None:
-        raise ValueError("give the prompt once: as the argument or with -p/--prompt, not both")
-    prompt = next((p for p in (args.prompt_option, args.prompt) if p is not None), DEFAULT_PROMPT)
+    given = [p for p in (args.prompt, args.prompt_option, args.file) if p is not None]
+    if len(given) > 1:
+        raise ValueError("give the prompt once: as the argument, with -p/--prompt or with -f/--file")
+    prompt = Path(args.file).read_text(encoding="utf-8") if args.file is not None else \
+        given[0] if given else DEFAULT_PROMPT
     _set_threads(args.threads)
-    model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size)
+    model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size, args.device)
     if args.chat:
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)
@@ -132,7 +137,8 @@ def cmd_generate(args) -> int:
     if args.lookup:
         drafting["prompt_lookup_num_tokens"] = args.lookup
     if args.draft_model:
-        drafting["assistant_model"] = load(args.draft_model, args.dtype, args.quantize, args.group_size)[0]
+        drafting["assistant_model"] = load(args.draft_model, args.dtype, args.quantize, args.group_size,
+                                           args.device)[0]
     if args.early_exit:
         drafting["assistant_early_exit"] = args.early_exit
     print(prompt, end="", flush=True)  # then the continuation, token by token
@@ -191,7 +197,7 @@ def _messages_file(path: Path) -> Path:
 
 def cmd_chat(args) -> int:
     _set_threads(args.threads)
-    model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size)
+    model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size, args.device)
     if args.load:
         from kvgen.cache.persist import load_cache
 
@@ -267,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
         p.add_argument("-t", "--threads", type=_positive_int, metavar="N",
                        help="CPU threads (default: torch's, one per core)")
+        p.add_argument("--device", type=_device, help="where the model runs: cpu, cuda, cuda:1, auto (default: cpu; "
+                                                      "a GGUF's block types run on the CPU: --dtype for a GPU)")
         p.add_argument("--cache", default="dynamic", choices=cache_implementations(), help="cache implementation")
         p.add_argument("--cache-config", type=parse_cache_config, default=None, metavar="KEY=VALUE,...",
                        help="settings of the cache, e.g. backend=kivi,nbits=2 for --cache quantized")
@@ -282,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help=f"text to continue (default: {DEFAULT_PROMPT!r})")
     g.add_argument("-p", "--prompt", dest="prompt_option", metavar="TEXT",
                    help="the prompt as an option, as llama.cpp (-p) and mlx-lm (--prompt) take it")
+    g.add_argument("-f", "--file", metavar="FILE", help="read the prompt from FILE (UTF-8), as llama.cpp's -f")
     common(g)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--stream", action="store_true", help=argparse.SUPPRESS)  # streaming is the default now
@@ -367,6 +376,19 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def _device(text: str) -> str:
+    import torch
+
+    try:
+        device = torch.device("cuda" if text == "auto" and torch.cuda.is_available() else
+                              "cpu" if text == "auto" else text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:1, auto)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: no CUDA GPU is available here (torch.cuda.is_available() is False)")
+    return str(device)
 
 
 def _non_negative_float(text: str) -> float:

@@ -162,6 +162,9 @@ class GenerationMixin:
                 raise ValueError("pass input_ids (the model's config has no bos_token_id to start from)")
             input_ids = torch.full((1, 1), config.bos_token_id, dtype=torch.long, device=device)
         input_ids = input_ids.to(device)
+        if input_ids.shape[-1] == 0:
+            raise ValueError("input_ids holds no tokens: generate() continues at least one (an empty prompt? pass "
+                             "the tokenizer's BOS token, or no input_ids to start from the model's bos_token_id)")
         if attention_mask is None:
             pad = config.pad_token_id
             if pad is not None and pad not in config.eos_ids() and bool((input_ids == pad).any()):
