@@ -274,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-t", "--threads", type=_positive_int, metavar="N",
                        help="CPU threads (default: torch's, one per core)")
         p.add_argument("--device", type=_device, help="where the model runs: cpu, cuda, cuda:1, auto (default: cpu; "
-                                                      "a GGUF's block types run on the CPU: --dtype for a GPU)")
+                                                      "on a GPU a GGUF runs dequantized, in float32 unless --dtype)")
         p.add_argument("--cache", default="dynamic", choices=cache_implementations(), help="cache implementation")
         p.add_argument("--cache-config", type=parse_cache_config, default=None, metavar="KEY=VALUE,...",
                        help="settings of the cache, e.g. backend=kivi,nbits=2 for --cache quantized")
