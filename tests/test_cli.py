@@ -182,6 +182,24 @@ def test_chat_reuses_the_cache_across_turns(smollm, capsys, monkeypatch):
     assert prefills[1] <= p2 - p1  # the second turn fed only what the cache had not seen
 
 
+def test_a_system_prompt_goes_before_the_user_message_in_generate_and_chat(smollm_gguf, capsys, monkeypatch):
+    model, tokenizer = smollm_gguf
+    messages = [{"role": "system", "content": "You are a pirate who answers in one word."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    inputs = chat_inputs(tokenizer, messages)
+    prompt_tokens = inputs["input_ids"].shape[1]
+    assert prompt_tokens != chat_inputs(tokenizer, messages[1:])["input_ids"].shape[1]  # (the template's own differs)
+    expected, new = continuation(model, tokenizer, inputs, 8)
+    text, stats = run_generate(capsys, "-sys", messages[0]["content"], "-p", messages[1]["content"], "-n", "8")
+    assert text == messages[1]["content"] + expected and parse_stats(stats)[1:3] == (prompt_tokens, new)
+    turns = iter([messages[1]["content"]])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(turns, ""))
+    monkeypatch.setattr(kvgen.cli, "load", lambda *args: (model, tokenizer))
+    assert main(["chat", "--system-prompt", messages[0]["content"], "-n", "8"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{expected}\n" and f"cache_tokens={prompt_tokens + new - 1} " in captured.err
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     torch.manual_seed(0)

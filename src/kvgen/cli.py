@@ -127,9 +127,12 @@ def cmd_generate(args) -> int:
         given[0] if given else DEFAULT_PROMPT
     _set_threads(args.threads)
     model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size, args.device)
-    if args.chat:
-        inputs = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)
+    if args.chat or args.system_prompt is not None:
+        messages = [{"role": "user", "content": prompt}]
+        if args.system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": args.system_prompt})
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
     else:
         inputs = tokenizer(prompt, return_tensors="pt")
     prompt_tokens = inputs["input_ids"].shape[1]
@@ -209,7 +212,7 @@ def cmd_chat(args) -> int:
         print(f"[kvgen] loaded {len(messages)} messages, cache_tokens={cache.get_seq_length()}", file=sys.stderr)
     else:
         cache = _make_cache(model, args.cache, args.cache_config, args.max_cache_len)
-        messages = []
+        messages = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
     print("kvgen chat — empty line or Ctrl-D to quit", file=sys.stderr)
     while True:
         try:
@@ -285,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--quantize", choices=["int8", "int4"], help="quantize linear layers at load")
         p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="int4 group size")
         p.add_argument("--verbose", action="store_true", help="show a traceback on errors")
+        p.add_argument("-sys", "--system-prompt", metavar="TEXT",
+                       help="a system message before the user's, in the model's chat template "
+                            "(generate: implies --chat)")
 
     g = sub.add_parser("generate", help="continue a prompt and print stats")
     g.add_argument("prompt", nargs="?", help=f"text to continue (default: {DEFAULT_PROMPT!r})")
