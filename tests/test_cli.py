@@ -325,7 +325,7 @@ def test_chat_keeps_one_cache_of_every_kind_across_turns(smollm, capsys, monkeyp
     model, tokenizer = smollm
     monkeypatch.setattr(kvgen.cli, "load", lambda *args: (model, tokenizer))
     turns = ["What is the capital of France?", "And of Italy?", "And of Spain?"]
-    argv = ["--cache", cache, "--max-cache-len", "256"] + (["--cache-config", config] if config else [])
+    argv = ["--cache", cache, "-c", "256"] + (["--cache-config", config] if config else [])
     assert run_chat(turns, argv, monkeypatch) == 0
     captured = capsys.readouterr()
     replies = captured.out.strip().splitlines()

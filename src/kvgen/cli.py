@@ -323,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat that reuses one cache across turns")
     common(c)
     c.set_defaults(max_new_tokens=256)
-    c.add_argument("--max-cache-len", type=int, default=4096, help="slots for preallocated caches")
+    c.add_argument("-c", "--max-cache-len", type=_positive_int, default=4096, metavar="N",
+                   help="slots for preallocated caches (llama.cpp's -c, its context size)")
     c.add_argument("--save", metavar="FILE", help="write the conversation's cache to FILE (and its messages to "
                                                    "FILE.messages.json) after every turn")
     c.add_argument("--load", metavar="FILE", help="resume a conversation written with --save")
