@@ -418,6 +418,16 @@ def test_temperature_zero_is_greedy_and_so_is_no_sampling_option(smollm_gguf, ca
         parse_stats(stats)  # (the greedy stats line, as before)
 
 
+def test_stop_ends_the_text_where_generate_stop_strings_end_it(smollm_gguf, capsys):
+    model, tokenizer = smollm_gguf
+    inputs = tokenizer(DEFAULT_PROMPT, return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=20, do_sample=False, stop_strings=["sun", "xyz"], tokenizer=tokenizer)
+    stopped = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert stopped.endswith("sun") and len(out[0]) < inputs["input_ids"].shape[1] + 20
+    text, stats = run_generate(capsys, "-n", "20", "--stop", "xyz", "--stop", "sun")
+    assert text == DEFAULT_PROMPT + stopped
+
+
 def test_repeat_penalty_applies_to_greedy_runs_too(smollm_gguf, capsys):
     model, tokenizer = smollm_gguf
     inputs = tokenizer(DEFAULT_PROMPT, return_tensors="pt")

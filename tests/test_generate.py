@@ -485,3 +485,40 @@ def test_default_model_chat_answer_equals_transformers(gguf_reference, smollm):
     assert torch.equal(got, ref)
     answer = tokenizer.decode(got[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+# the default story: " girl named Emma who loved to play in the sun. She would often go to the beach ..."; the
+# other prompt's: " Paris.\n\nThe answer is: 2018-01-22 ...". "mm" lies inside a token, "e answer" begins in an
+# earlier one, the others end a token; each row stops on its own, and "<|im_end|>" never comes
+@pytest.mark.parametrize("stops", ["sun", "mm", "e answer", ["\n", "beach"], "<|im_end|>"])
+def test_stop_strings_stop_where_transformers_stops(gguf_reference, smollm, stops):
+    """transformers' StopStringCriteria: a row stops at the token that completes a stop string (which may run on
+    past it, or begin in earlier tokens); a stop that never comes runs to max_new_tokens. Two prompts, left-padded,
+    each row stopping on its own."""
+    hf, hf_tokenizer, _, _ = gguf_reference
+    model, tokenizer = smollm
+    prompts = ["Once upon a time, there was a little", "The capital of France is"]
+    sides = tokenizer.padding_side, hf_tokenizer.padding_side
+    tokenizer.padding_side = hf_tokenizer.padding_side = "left"
+    try:
+        for texts in (prompts[:1], prompts):
+            inputs = tokenizer(texts, return_tensors="pt", padding=True)
+            ref = hf.generate(**hf_tokenizer(texts, return_tensors="pt", padding=True), max_new_tokens=24,
+                              do_sample=False, stop_strings=stops, tokenizer=hf_tokenizer)
+            got = model.generate(**inputs, max_new_tokens=24, do_sample=False, stop_strings=stops,
+                                 tokenizer=tokenizer)
+            assert torch.equal(got, ref), (texts, tokenizer.batch_decode(got), hf_tokenizer.batch_decode(ref))
+    finally:
+        tokenizer.padding_side, hf_tokenizer.padding_side = sides
+
+
+def test_stop_strings_need_a_tokenizer_and_work_without_beams_or_drafts(smollm):
+    model, tokenizer = smollm
+    inputs = tokenizer("Once upon a time", return_tensors="pt")
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        model.generate(**inputs, max_new_tokens=4, stop_strings=".")
+    with pytest.raises(ValueError, match="non-empty string"):
+        model.generate(**inputs, max_new_tokens=4, stop_strings=[""], tokenizer=tokenizer)
+    for speculation in (dict(num_beams=2), dict(prompt_lookup_num_tokens=3)):
+        with pytest.raises(ValueError, match="not with beam search or speculative decoding"):
+            model.generate(**inputs, max_new_tokens=4, stop_strings=".", tokenizer=tokenizer, **speculation)

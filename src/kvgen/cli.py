@@ -156,8 +156,9 @@ def cmd_generate(args) -> int:
     else:
         cache = _make_cache(model, args.cache, args.cache_config, prompt_tokens + args.max_new_tokens)
     sampling, seed = _sampling(args)
+    stops = {} if args.stop is None else {"stop_strings": args.stop, "tokenizer": tokenizer}
     out = model.generate(**inputs.to(model.device), past_key_values=cache, max_new_tokens=args.max_new_tokens,
-                         streamer=clock, return_dict_in_generate=True, **sampling, **drafting)
+                         streamer=clock, return_dict_in_generate=True, **sampling, **drafting, **stops)
     new = out.sequences[0, prompt_tokens:]
     print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock, out.speculation, seed))
     if prompt_cache is not None:
@@ -309,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="R", help="divide the scores of tokens already in the text by R (transformers' "
                                      "repetition_penalty; 1: none)")
     g.add_argument("-s", "--seed", type=int, metavar="N", help="seed of the sampling (default: a fresh one, printed)")
+    g.add_argument("--stop", action="append", metavar="TEXT",
+                   help="stop once the text holds TEXT (kept in the output); repeat for several")
     g.add_argument("--lookup", type=_positive_int, metavar="N",
                    help="speculative decoding: draft N tokens by prompt lookup (n-grams of the text so far)")
     g.add_argument("--draft-model", metavar="PATH",

@@ -20,6 +20,7 @@ from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import apply_processors, build_processors
 from kvgen.generation.search import BeamSearch, choose_next_tokens
 from kvgen.generation.speculative import make_drafter, speculative_decode
+from kvgen.generation.stop_strings import StopStrings
 from kvgen.models.decode_blocks import blocks_compiled, eager_blocks
 from kvgen.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
@@ -72,7 +73,8 @@ class GenerationMixin:
         model inputs ``input_ids``, ``attention_mask`` and ``past_key_values`` (a cache to
         fill or continue: only the tokens it has not seen are fed).
         ``assistant_model``, ``prompt_lookup_num_tokens`` or ``assistant_early_exit`` turn on
-        speculative decoding (:mod:`kvgen.generation.speculative`).
+        speculative decoding (:mod:`kvgen.generation.speculative`). ``stop_strings`` with ``tokenizer``
+        finish a row once its text holds one (:mod:`kvgen.generation.stop_strings`), as in transformers.
         Returns the sequences (B, L + new), or with ``return_dict_in_generate=True`` a
         ``GenerateDecoderOnlyOutput`` (``GenerateBeamDecoderOnlyOutput`` with ``num_beams > 1``).
         """
@@ -82,6 +84,7 @@ class GenerationMixin:
         input_ids = inputs if inputs is not None else model_inputs.pop("input_ids", None)
         attention_mask = model_inputs.pop("attention_mask", None)
         past_key_values = model_inputs.pop("past_key_values", None)
+        tokenizer = model_inputs.pop("tokenizer", None)  # (for stop_strings, as in transformers)
         if model_inputs:
             raise TypeError(f"generate() got arguments it does not know: {sorted(model_inputs)}")
         if past_key_values is not None and "cache_implementation" in kwargs:
@@ -96,6 +99,8 @@ class GenerationMixin:
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
         processors = build_processors(config, input_ids.shape[1])
         drafter = make_drafter(self, config, assistant_model, input_ids, processors)  # (raises before any cache edit)
+        stops = None if config.stop_strings is None else self._stop_strings(config, tokenizer, input_ids.shape[0],
+                                                                            beams or drafter is not None)
         cache, legacy_in = as_cache(past_key_values)
         if cache is not None:  # before anything edits it: a cache of another model raises untouched
             check_cache_model(cache, self)
@@ -119,7 +124,7 @@ class GenerationMixin:
                                                                       max_length, processors)
             else:
                 sequences, scores, logits = self._decode(input_ids, attention_mask, cache, seen, config, max_length,
-                                                         streamer, processors)
+                                                         streamer, processors, stops)
         if not config.return_dict_in_generate:
             return sequences
         if cache is not None and (config.return_legacy_cache or legacy_in):
@@ -153,6 +158,16 @@ class GenerationMixin:
         from kvgen.serving.engine import ContinuousBatchingManager
 
         return ContinuousBatchingManager(self, generation_config, continuous_batching_config, tokenizer)
+
+    @staticmethod
+    def _stop_strings(config: GenerationConfig, tokenizer, batch: int, searching: bool) -> StopStrings:
+        if searching:
+            raise ValueError("stop_strings works with greedy and sampled decoding, not with beam search or "
+                             "speculative decoding")
+        if batch * config.num_return_sequences > 1 and config.pad_token_id is None:
+            raise ValueError("stop_strings on a batch needs a pad_token_id (or an eos_token_id) for the rows that stop "
+                             "first")
+        return StopStrings(tokenizer, config.stop_strings)
 
     def _prompt_inputs(self, input_ids, attention_mask, config: GenerationConfig):
         """The prompt on the model's device, with an attention mask (from padding when not given)."""
@@ -194,8 +209,9 @@ class GenerationMixin:
         return max_length
 
     def _decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int,
-                streamer, processors):
-        """Prefill the unseen tokens, then choose and feed one token per step until EOS or ``max_length``."""
+                streamer, processors, stops: StopStrings | None = None):
+        """Prefill the unseen tokens, then choose and feed one token per step until EOS, a stop string or
+        ``max_length``."""
         position_ids = _positions_from_mask(attention_mask)
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -215,13 +231,15 @@ class GenerationMixin:
             if config.output_logits:
                 logits_out.append(raw)
             next_tokens = choose_next_tokens(scores, config.do_sample)
-            if eos is not None:
+            if eos is not None or stops is not None:
                 next_tokens = torch.where(unfinished, next_tokens, config.pad_token_id)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
             if streamer is not None:
                 streamer.put(next_tokens.cpu())
             if eos is not None:
                 unfinished &= ~torch.isin(next_tokens, eos)
+            if stops is not None:
+                unfinished &= ~stops(input_ids)
             if input_ids.shape[1] >= max_length or not bool(unfinished.any()):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)

@@ -1,0 +1,43 @@
+"""``stop_strings``: a row stops once its text holds one of them, as with transformers' ``StopStringCriteria``.
+
+``generate(..., stop_strings=["\\n"], tokenizer=tokenizer)``: after each new token, a row whose text now holds a
+stop string that ends within that token's text (it may begin in earlier tokens, the prompt's too, and the
+token may run on past it) is finished, like a row that produced an end-of-sequence token; the stop string
+stays in the output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StopStrings:
+    """Which rows of a sequence just completed one of ``stops`` (their newest token ends one).
+
+    Each check decodes the last few tokens of each row: a stop string of n characters lies within the last
+    n + 1 tokens (each token holds at least one character).
+
+    Example:
+        >>> stops = StopStrings(tokenizer, [".", "\\n"])       # doctest: +SKIP
+        >>> stops(torch.tensor([[40, 1044, 30]]))              # doctest: +SKIP
+        tensor([True])
+    """
+
+    def __init__(self, tokenizer, stops: str | list[str] | tuple[str, ...]):
+        stops = [stops] if isinstance(stops, str) else list(stops)
+        if not stops or any(not isinstance(s, str) or not s for s in stops):
+            raise ValueError(f"stop_strings must be a non-empty string or a list of them, got {stops!r}")
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer to read the text: generate(..., stop_strings=..., "
+                             "tokenizer=tokenizer)")
+        self.tokenizer, self.stops = tokenizer, stops
+        self.window = max(map(len, stops)) + 1
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: whether each row's newest token completes a stop string."""
+        done = []
+        for row in input_ids[:, -self.window:].tolist():
+            text = self.tokenizer.decode(row)
+            before = len(self.tokenizer.decode(row[:-1]))  # the text before the newest token
+            done.append(any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in self.stops))
+        return torch.tensor(done, device=input_ids.device)
