@@ -389,6 +389,7 @@ def test_the_prompt_from_a_file_on_the_device_asked_for(smollm_gguf, capsys, tmp
 @pytest.mark.parametrize("options, settings", [
     (["--temp", "0.7", "--top-p", "0.9"], dict(temperature=0.7, top_p=0.9)),
     (["--top-k", "20", "--repeat-penalty", "1.3"], dict(top_k=20, repetition_penalty=1.3)),
+    (["--min-p", "0.05", "--temp", "1.2"], dict(min_p=0.05, temperature=1.2)),
     (["--do-sample", "--temperature", "1.5"], dict(temperature=1.5)),
 ])
 def test_sampling_options_sample_as_generate_does_with_that_seed(options, settings, smollm_gguf, capsys):

@@ -166,6 +166,7 @@ def test_static_cache_too_small_for_max_new_tokens(model):
     (dict(do_sample=True, temperature=0.0), r"temperature must be > 0 with do_sample=True, got 0.0"),
     (dict(do_sample=True, top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
     (dict(do_sample=True, top_p=1.5), r"top_p must be in \(0, 1\], got 1.5"),
+    (dict(do_sample=True, min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
     (dict(repetition_penalty=0.0), r"repetition_penalty must be > 0"),
     (dict(max_new_tokens=0), r"max_new_tokens must be > 0"),
     (dict(num_return_sequences=2), r"num_return_sequences > 1 needs do_sample=True"),

@@ -85,8 +85,10 @@ SAMPLING = {
     "temperature": dict(temperature=0.6),
     "top_k": dict(top_k=5),
     "top_p": dict(top_p=0.7),
+    "min_p": dict(min_p=0.2),
     "repetition_penalty": dict(repetition_penalty=1.5),
     "combined": dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2),
+    "combined_min_p": dict(temperature=1.3, top_k=40, min_p=0.1),
 }
 
 

@@ -95,15 +95,15 @@ def _sampling(args) -> tuple[dict, int | None]:
     """``generate()``'s sampling settings from the options, and the seed it samples with (None: greedy).
 
     As llama.cpp's and mlx-lm's ``--temp``: a temperature above 0 samples and 0 is greedy; ``--top-k``,
-    ``--top-p`` and ``--do-sample`` sample too. The seed is ``--seed``, else a fresh one (printed, to repeat a run).
+    ``--top-p``, ``--min-p`` and ``--do-sample`` sample too. The seed is ``--seed``, else a fresh one (printed, to repeat a run).
     """
     import torch
 
     sampling = args.temperature != 0 and (args.do_sample or args.temperature is not None
-                                          or args.top_k is not None or args.top_p is not None)
+                                          or any(v is not None for v in (args.top_k, args.top_p, args.min_p)))
     given = {"repetition_penalty": args.repeat_penalty}  # (a setting passed as None would turn it off)
     if sampling:
-        given.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        given.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     settings = {"do_sample": sampling, **{name: value for name, value in given.items() if value is not None}}
     if not sampling:
         return settings, None
@@ -306,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sampling temperature: above 0 samples, 0 is greedy (default: greedy)")
     g.add_argument("--top-k", type=_positive_int, metavar="K", help="sample from the K likeliest tokens")
     g.add_argument("--top-p", type=_probability, metavar="P", help="sample from the likeliest tokens holding P")
+    g.add_argument("--min-p", type=_probability, metavar="P",
+                   help="sample from the tokens at least P times as likely as the likeliest")
     g.add_argument("--repeat-penalty", "--repetition-penalty", dest="repeat_penalty", type=_positive_float,
                    metavar="R", help="divide the scores of tokens already in the text by R (transformers' "
                                      "repetition_penalty; 1: none)")

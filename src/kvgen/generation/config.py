@@ -42,6 +42,7 @@ class GenerationConfig:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     repetition_penalty: float | None = None
     num_beams: int | None = None
     num_beam_groups: int | None = None
@@ -124,6 +125,7 @@ class GenerationConfig:
              f"temperature must be > 0 with do_sample=True, got {c.temperature} "
              "(use do_sample=False for greedy decoding)"),
             (not sampling or c.top_p is None or 0 < c.top_p <= 1, f"top_p must be in (0, 1], got {c.top_p}"),
+            (not sampling or c.min_p is None or 0 <= c.min_p <= 1, f"min_p must be in [0, 1], got {c.min_p}"),
             (c.top_k is None or c.top_k >= 0, f"top_k must be >= 0, got {c.top_k}"),
             (c.repetition_penalty is None or c.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {c.repetition_penalty}"),

@@ -71,6 +71,17 @@ def top_p(p: float, min_tokens_to_keep: int = 1) -> Processor:
     return apply
 
 
+def min_p(p: float, min_tokens_to_keep: int = 1) -> Processor:
+    """Keep the tokens at least ``p`` times as likely as the likeliest (transformers' ``MinPLogitsWarper``)."""
+    def apply(input_ids, scores):
+        probs = scores.softmax(dim=-1)
+        remove = probs < p * probs.amax(dim=-1, keepdim=True)
+        remove.scatter_(-1, torch.topk(probs, min(min_tokens_to_keep, probs.shape[-1]), dim=-1).indices, False)
+        return scores.masked_fill(remove, -float("inf"))
+
+    return apply
+
+
 def apply_processors(processors: list[Processor], input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """``scores`` (B, V) after each processor in turn, given the sequences so far ``input_ids`` (B, L)."""
     for processor in processors:
@@ -100,4 +111,6 @@ def build_processors(config, prompt_length: int) -> list[Processor]:
             processors.append(top_k(config.top_k))
         if config.top_p is not None and config.top_p < 1.0:
             processors.append(top_p(config.top_p))
+        if config.min_p is not None:  # (after the temperature, as in transformers and llama.cpp)
+            processors.append(min_p(config.min_p))
     return processors
