@@ -95,7 +95,8 @@ def _sampling(args) -> tuple[dict, int | None]:
     """``generate()``'s sampling settings from the options, and the seed it samples with (None: greedy).
 
     As llama.cpp's and mlx-lm's ``--temp``: a temperature above 0 samples and 0 is greedy; ``--top-k``,
-    ``--top-p``, ``--min-p`` and ``--do-sample`` sample too. The seed is ``--seed``, else a fresh one (printed, to repeat a run).
+    ``--top-p``, ``--min-p`` and ``--do-sample`` sample too. The seed is ``--seed``, else a fresh one
+    (printed, to repeat a run).
     """
     import torch
 
