@@ -105,6 +105,44 @@ def test_sampling_equals_transformers_under_the_same_seed(pair, name):
         assert not torch.equal(ref, sample(hf, 7, ids, max_new_tokens=15, **FIXED))
 
 
+class _Bias:
+    """A custom logits processor: raises the scores of tokens 10..19 (before the temperature divides them)."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[:, 10:20] += 3.0
+        return scores
+
+
+class _MultipleOfFive:
+    """A custom stopping criterion: a row stops once its newest token is a multiple of 5."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] % 5 == 0
+
+
+@pytest.mark.parametrize("sampling", [None, dict(temperature=0.5, top_k=10)])
+@pytest.mark.parametrize("eos", [None, 16])
+def test_custom_logits_processor_and_stopping_criteria_as_in_transformers(pair, sampling, eos):
+    """transformers' ``logits_processor`` and ``stopping_criteria`` lists (any callables): processors run before the
+    sampling ones; criteria finish rows, padded after where there is an EOS (without one, as in transformers, a
+    finished row runs on until every row has finished). Ids equal transformers' under the same seed."""
+    hf, ours, _ = pair
+    ids = prompt()
+    kwargs = dict(max_new_tokens=15, **{**FIXED, "eos_token_id": eos})
+
+    def run(model, **custom):
+        return model.generate(ids, **kwargs, **custom) if sampling is None else sample(model, 3, ids, **kwargs,
+                                                                                        **sampling, **custom)
+
+    custom = dict(logits_processor=transformers.LogitsProcessorList([_Bias()]),
+                  stopping_criteria=transformers.StoppingCriteriaList([_MultipleOfFive()]))
+    got = run(ours, **custom)
+    assert torch.equal(got, run(hf, **custom))
+    plain = run(ours)
+    assert got.shape[1] < plain.shape[1] and not torch.equal(got, plain[:, :got.shape[1]])  # both took effect
+
+
 def test_sampling_is_reproducible_by_seed(pair):
     _, ours, _ = pair
     ids = prompt()

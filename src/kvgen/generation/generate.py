@@ -74,7 +74,10 @@ class GenerationMixin:
         fill or continue: only the tokens it has not seen are fed).
         ``assistant_model``, ``prompt_lookup_num_tokens`` or ``assistant_early_exit`` turn on
         speculative decoding (:mod:`kvgen.generation.speculative`). ``stop_strings`` with ``tokenizer``
-        finish a row once its text holds one (:mod:`kvgen.generation.stop_strings`), as in transformers.
+        finish a row once its text holds one (:mod:`kvgen.generation.stop_strings`), as in transformers;
+        so does a ``stopping_criteria`` list of callables ``(input_ids, scores) -> (B,) bool``, and a
+        ``logits_processor`` list of callables ``(input_ids, scores) -> scores`` runs after kvgen's own
+        processors and before the sampling ones (temperature, top-k, top-p, min-p), as transformers merges them.
         Returns the sequences (B, L + new), or with ``return_dict_in_generate=True`` a
         ``GenerateDecoderOnlyOutput`` (``GenerateBeamDecoderOnlyOutput`` with ``num_beams > 1``).
         """
@@ -85,6 +88,8 @@ class GenerationMixin:
         attention_mask = model_inputs.pop("attention_mask", None)
         past_key_values = model_inputs.pop("past_key_values", None)
         tokenizer = model_inputs.pop("tokenizer", None)  # (for stop_strings, as in transformers)
+        custom_processors = list(model_inputs.pop("logits_processor", None) or [])  # callables (ids, scores) -> scores
+        custom_criteria = list(model_inputs.pop("stopping_criteria", None) or [])  # callables (ids, scores) -> (B,) bool
         if model_inputs:
             raise TypeError(f"generate() got arguments it does not know: {sorted(model_inputs)}")
         if past_key_values is not None and "cache_implementation" in kwargs:
@@ -97,10 +102,9 @@ class GenerationMixin:
             config.pad_token_id = config.eos_ids()[0]
 
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
-        processors = build_processors(config, input_ids.shape[1])
+        processors = build_processors(config, input_ids.shape[1], custom_processors)
         drafter = make_drafter(self, config, assistant_model, input_ids, processors)  # (raises before any cache edit)
-        stops = None if config.stop_strings is None else self._stop_strings(config, tokenizer, input_ids.shape[0],
-                                                                            beams or drafter is not None)
+        stops = self._stopping(config, tokenizer, custom_criteria, beams or drafter is not None)
         cache, legacy_in = as_cache(past_key_values)
         if cache is not None:  # before anything edits it: a cache of another model raises untouched
             check_cache_model(cache, self)
@@ -160,14 +164,13 @@ class GenerationMixin:
         return ContinuousBatchingManager(self, generation_config, continuous_batching_config, tokenizer)
 
     @staticmethod
-    def _stop_strings(config: GenerationConfig, tokenizer, batch: int, searching: bool) -> StopStrings:
-        if searching:
-            raise ValueError("stop_strings works with greedy and sampled decoding, not with beam search or "
-                             "speculative decoding")
-        if batch * config.num_return_sequences > 1 and config.pad_token_id is None:
-            raise ValueError("stop_strings on a batch needs a pad_token_id (or an eos_token_id) for the rows that stop "
-                             "first")
-        return StopStrings(tokenizer, config.stop_strings)
+    def _stopping(config: GenerationConfig, tokenizer, custom: list, searching: bool) -> list:
+        """Checks (input_ids, scores) -> (B,) bool of the rows to finish: ``stop_strings``, then ``custom``."""
+        stops = ([] if config.stop_strings is None else [StopStrings(tokenizer, config.stop_strings)]) + custom
+        if stops and searching:
+            raise ValueError("stop_strings and stopping_criteria work with greedy and sampled decoding, not with beam "
+                             "search or speculative decoding")
+        return stops
 
     def _prompt_inputs(self, input_ids, attention_mask, config: GenerationConfig):
         """The prompt on the model's device, with an attention mask (from padding when not given)."""
@@ -209,7 +212,7 @@ class GenerationMixin:
         return max_length
 
     def _decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int,
-                streamer, processors, stops: StopStrings | None = None):
+                streamer, processors, stops: list | None = None):
         """Prefill the unseen tokens, then choose and feed one token per step until EOS, a stop string or
         ``max_length``."""
         position_ids = _positions_from_mask(attention_mask)
@@ -231,15 +234,15 @@ class GenerationMixin:
             if config.output_logits:
                 logits_out.append(raw)
             next_tokens = choose_next_tokens(scores, config.do_sample)
-            if eos is not None or stops is not None:
+            if eos is not None:  # (as in transformers: without an EOS, rows that stopped run on until all have)
                 next_tokens = torch.where(unfinished, next_tokens, config.pad_token_id)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
             if streamer is not None:
                 streamer.put(next_tokens.cpu())
             if eos is not None:
                 unfinished &= ~torch.isin(next_tokens, eos)
-            if stops is not None:
-                unfinished &= ~stops(input_ids)
+            for stop in stops or ():
+                unfinished &= ~torch.as_tensor(stop(input_ids, scores), device=unfinished.device).bool()
             if input_ids.shape[1] >= max_length or not bool(unfinished.any()):
                 break
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=-1)

@@ -89,8 +89,9 @@ def apply_processors(processors: list[Processor], input_ids: torch.Tensor, score
     return scores
 
 
-def build_processors(config, prompt_length: int) -> list[Processor]:
-    """The processors ``config`` asks for, in the order transformers applies them."""
+def build_processors(config, prompt_length: int, custom: list[Processor] = ()) -> list[Processor]:
+    """The processors ``config`` asks for, in the order transformers applies them; ``custom`` ones (generate's
+    ``logits_processor``) after the others and before the sampling ones, where transformers merges them."""
     processors: list[Processor] = []
     # a setting that is None is off (as in transformers)
     if config.repetition_penalty not in (None, 1.0):
@@ -104,6 +105,7 @@ def build_processors(config, prompt_length: int) -> list[Processor]:
         processors.append(suppress(config.suppress_tokens))
     if config.begin_suppress_tokens:
         processors.append(suppress(config.begin_suppress_tokens, at_length=prompt_length))
+    processors.extend(custom)
     if config.do_sample:
         if config.temperature not in (None, 1.0):
             processors.append(temperature(config.temperature))

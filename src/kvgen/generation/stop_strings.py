@@ -2,8 +2,9 @@
 
 ``generate(..., stop_strings=["\\n"], tokenizer=tokenizer)``: after each new token, a row whose text now holds a
 stop string that ends within that token's text (it may begin in earlier tokens, the prompt's too, and the
-token may run on past it) is finished, like a row that produced an end-of-sequence token; the stop string
-stays in the output.
+token may run on past it) is finished, as ``stopping_criteria`` finish rows: the stop string stays in the
+output, and the row is padded after it where the model has an end-of-sequence token (without one, as in
+transformers, a finished row runs on until every row has finished).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ class StopStrings:
         self.tokenizer, self.stops = tokenizer, stops
         self.window = max(map(len, stops)) + 1
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B,) bool: whether each row's newest token completes a stop string."""
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) bool: whether each row's newest token completes a stop string (a stopping criterion's call)."""
         done = []
         for row in input_ids[:, -self.window:].tolist():
             text = self.tokenizer.decode(row)
