@@ -143,6 +143,44 @@ def test_custom_logits_processor_and_stopping_criteria_as_in_transformers(pair, 
     assert got.shape[1] < plain.shape[1] and not torch.equal(got, plain[:, :got.shape[1]])  # both took effect
 
 
+def test_no_repeat_ngram_size_and_bad_words_ids_as_in_transformers(pair):
+    hf, ours, _ = pair
+    ids = prompt()
+    kwargs = dict(max_new_tokens=30, **FIXED)
+    plain = ours.generate(ids, **kwargs)  # (it repeats bigrams: 84 60, 15 54, ...)
+    first, pair_of_tokens = int(plain[0, 7]), plain[1, 8:10].tolist()  # a token and a bigram the plain run makes
+    for settings in (dict(no_repeat_ngram_size=2), dict(no_repeat_ngram_size=1),
+                     dict(bad_words_ids=[[first], pair_of_tokens]),
+                     dict(no_repeat_ngram_size=3, bad_words_ids=[[first]], repetition_penalty=1.3)):
+        got = ours.generate(ids, **kwargs, **settings)
+        assert torch.equal(got, hf.generate(ids, **kwargs, **settings)), settings
+        assert not torch.equal(got, plain), settings  # the setting took effect
+    with pytest.raises(ValueError, match="bad_words_ids must be a non-empty list"):
+        ours.generate(ids, **kwargs, bad_words_ids=[[]])
+    with pytest.raises(ValueError, match="no_repeat_ngram_size must be >= 0"):
+        ours.generate(ids, **kwargs, no_repeat_ngram_size=-1)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3, num_return_sequences=2, length_penalty=0.5)])
+def test_compute_transition_scores_as_in_transformers(pair, settings):
+    hf, ours, _ = pair
+    ids = prompt()
+    eos = 16 if settings else None  # (beam hypotheses that end early leave -1 in beam_indices)
+    # pad 1, not 0: transformers' beam search pads with `pad_token_id or eos_token_id[0]`, the EOS for pad 0
+    kwargs = dict(max_new_tokens=8, return_dict_in_generate=True, output_scores=True, eos_token_id=eos, pad_token_id=1,
+                  **settings)
+    got, ref = ours.generate(ids, **kwargs), hf.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, ref.sequences)
+    beams = dict(beam_indices=got.beam_indices) if settings else {}
+    for normalize in (False, True):
+        mine = ours.compute_transition_scores(got.sequences, got.scores, normalize_logits=normalize, **beams)
+        theirs = hf.compute_transition_scores(ref.sequences, ref.scores, normalize_logits=normalize,
+                                              **({"beam_indices": ref.beam_indices} if settings else {}))
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    if not settings:  # greedy: the picks' own scores, the largest of each step
+        torch.testing.assert_close(mine, torch.stack(got.scores, 1).log_softmax(-1).amax(-1))
+
+
 def test_sampling_is_reproducible_by_seed(pair):
     _, ours, _ = pair
     ids = prompt()

@@ -44,6 +44,8 @@ class GenerationConfig:
     top_p: float | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None  # no n-gram of this size twice
+    bad_words_ids: list[list[int]] | None = None  # token sequences never completed
     num_beams: int | None = None
     num_beam_groups: int | None = None
     diversity_penalty: float | None = None
@@ -129,6 +131,8 @@ class GenerationConfig:
             (c.top_k is None or c.top_k >= 0, f"top_k must be >= 0, got {c.top_k}"),
             (c.repetition_penalty is None or c.repetition_penalty > 0,
              f"repetition_penalty must be > 0, got {c.repetition_penalty}"),
+            (c.no_repeat_ngram_size is None or c.no_repeat_ngram_size >= 0,
+             f"no_repeat_ngram_size must be >= 0, got {c.no_repeat_ngram_size}"),
             (c.num_return_sequences >= 1, "num_return_sequences must be >= 1"),
             (sampling or c.num_beams > 1 or c.num_return_sequences == 1,
              "num_return_sequences > 1 needs do_sample=True or num_beams > 1 (greedy decoding gives identical "

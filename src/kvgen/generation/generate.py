@@ -88,8 +88,8 @@ class GenerationMixin:
         attention_mask = model_inputs.pop("attention_mask", None)
         past_key_values = model_inputs.pop("past_key_values", None)
         tokenizer = model_inputs.pop("tokenizer", None)  # (for stop_strings, as in transformers)
-        custom_processors = list(model_inputs.pop("logits_processor", None) or [])  # callables (ids, scores) -> scores
-        custom_criteria = list(model_inputs.pop("stopping_criteria", None) or [])  # callables (ids, scores) -> (B,) bool
+        custom_processors = list(model_inputs.pop("logits_processor", None) or [])  # (ids, scores) -> scores
+        custom_criteria = list(model_inputs.pop("stopping_criteria", None) or [])  # (ids, scores) -> (B,) bool
         if model_inputs:
             raise TypeError(f"generate() got arguments it does not know: {sorted(model_inputs)}")
         if past_key_values is not None and "cache_implementation" in kwargs:
@@ -139,6 +139,33 @@ class GenerationMixin:
                 scores=scores, logits=logits, beam_indices=search.sequence_beam_indices, past_key_values=cache)
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits, past_key_values=cache,
                                          speculation=speculation)
+
+    def compute_transition_scores(self, sequences: torch.Tensor, scores: tuple[torch.Tensor, ...],
+                                  beam_indices: torch.Tensor | None = None,
+                                  normalize_logits: bool = False) -> torch.Tensor:
+        """The score of each generated token at its step, (B, new tokens), from ``generate(...,
+        return_dict_in_generate=True, output_scores=True)``'s ``sequences`` and ``scores`` (and
+        ``beam_indices`` after beam search), as transformers computes it; ``normalize_logits``: log-softmax first.
+
+        Example:
+            >>> out = model.generate(**inputs, max_new_tokens=5, return_dict_in_generate=True,
+            ...                      output_scores=True)                                    # doctest: +SKIP
+            >>> probabilities = model.compute_transition_scores(out.sequences, out.scores).exp()  # doctest: +SKIP
+        """
+        vocab = scores[0].shape[-1]
+        if beam_indices is None:
+            beam_indices = torch.arange(scores[0].shape[0], device=sequences.device).view(-1, 1).expand(-1, len(scores))
+        stacked = torch.stack(scores).reshape(len(scores), -1).transpose(0, 1)  # (rows * V, steps)
+        if normalize_logits:
+            stacked = stacked.reshape(-1, vocab, stacked.shape[-1]).log_softmax(dim=1).reshape(-1, stacked.shape[-1])
+        unused = beam_indices < 0  # beam search: steps after a hypothesis ended
+        steps = int((~unused).long().sum(-1).max())
+        beam_indices, unused = beam_indices[:, :steps].clone(), unused[:, :steps]
+        beam_indices[unused] = 0
+        indices = sequences[:, sequences.shape[-1] - steps:] + beam_indices * vocab
+        transition = stacked.gather(0, indices)
+        transition[unused] = 0
+        return transition
 
     def generate_batch(self, inputs: list[list[int]], generation_config: GenerationConfig | None = None,
                        continuous_batching_config=None, tokenizer=None, **settings):

@@ -18,6 +18,46 @@ def repetition_penalty(penalty: float) -> Processor:
     return apply
 
 
+def no_repeat_ngram(n: int) -> Processor:
+    """Ban each token that would repeat an ``n``-gram the sequence already holds (transformers'
+    ``NoRepeatNGramLogitsProcessor``; the prompt's n-grams count)."""
+    def apply(input_ids, scores):
+        length = input_ids.shape[1]
+        if length + 1 < n:
+            return scores
+        banned = torch.zeros_like(scores, dtype=torch.bool)
+        for row, ids in enumerate(input_ids.tolist()):
+            prefix = ids[length + 1 - n:]  # the n - 1 tokens the next one would extend
+            for i in range(length - n + 1):
+                if ids[i:i + n - 1] == prefix:
+                    banned[row, ids[i + n - 1]] = True
+        return scores.masked_fill(banned, -float("inf"))
+
+    return apply
+
+
+def no_bad_words(bad_words_ids: list[list[int]], eos_ids: list[int]) -> Processor:
+    """Never complete one of the token sequences ``bad_words_ids`` (transformers' ``NoBadWordsLogitsProcessor``): a
+    one-token word is banned always, a longer one's last token where the sequence ends with the others."""
+    if not isinstance(bad_words_ids, (list, tuple)) or not bad_words_ids or any(
+            not isinstance(w, (list, tuple)) or not w or any(not isinstance(t, int) or t < 0 for t in w)
+            for w in bad_words_ids):
+        raise ValueError(f"bad_words_ids must be a non-empty list of non-empty lists of token ids, got {bad_words_ids}")
+    words = [list(w) for w in bad_words_ids if not (len(w) == 1 and w[0] in eos_ids)]  # (EOS stays allowed)
+
+    def apply(input_ids, scores):
+        if any(t >= scores.shape[-1] for w in words for t in w):
+            raise ValueError(f"bad_words_ids hold token ids past the vocabulary ({scores.shape[-1]} tokens)")
+        banned = torch.zeros_like(scores, dtype=torch.bool)
+        for row, ids in enumerate(input_ids.tolist()):
+            for word in words:
+                if len(word) - 1 <= len(ids) and ids[len(ids) - len(word) + 1:] == word[:-1]:
+                    banned[row, word[-1]] = True
+        return scores.masked_fill(banned, -float("inf"))
+
+    return apply
+
+
 def suppress_eos_until(eos_ids: list[int], min_total_length: int) -> Processor:
     """Forbid EOS while the sequence (prompt included) is shorter than ``min_total_length``."""
     eos = torch.tensor(eos_ids)
@@ -97,6 +137,10 @@ def build_processors(config, prompt_length: int, custom: list[Processor] = ()) -
     if config.repetition_penalty not in (None, 1.0):
         processors.append(repetition_penalty(config.repetition_penalty))
     eos = config.eos_ids()
+    if config.no_repeat_ngram_size:
+        processors.append(no_repeat_ngram(config.no_repeat_ngram_size))
+    if config.bad_words_ids is not None:
+        processors.append(no_bad_words(config.bad_words_ids, eos))
     if eos and config.min_length:
         processors.append(suppress_eos_until(eos, config.min_length))
     if eos and config.min_new_tokens:
