@@ -89,6 +89,9 @@ SAMPLING = {
     "repetition_penalty": dict(repetition_penalty=1.5),
     "combined": dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.2),
     "combined_min_p": dict(temperature=1.3, top_k=40, min_p=0.1),
+    "typical_p": dict(typical_p=0.4),
+    "epsilon_cutoff": dict(epsilon_cutoff=0.02),
+    "eta_cutoff": dict(eta_cutoff=0.05),
 }
 
 
@@ -159,6 +162,25 @@ def test_no_repeat_ngram_size_and_bad_words_ids_as_in_transformers(pair):
         ours.generate(ids, **kwargs, bad_words_ids=[[]])
     with pytest.raises(ValueError, match="no_repeat_ngram_size must be >= 0"):
         ours.generate(ids, **kwargs, no_repeat_ngram_size=-1)
+
+
+def test_forced_tokens_and_renormalized_scores_as_in_transformers(pair):
+    hf, ours, _ = pair
+    ids = prompt()
+    for settings in (dict(forced_eos_token_id=5), dict(forced_eos_token_id=[5, 7]),
+                     dict(forced_bos_token_id=9, max_new_tokens=4)):
+        start = ids[:, :1] if "forced_bos_token_id" in settings else ids  # (forced only after a one-token prompt)
+        kwargs = {"max_new_tokens": 8, **FIXED, **settings}
+        got = ours.generate(start, **kwargs)
+        assert torch.equal(got, hf.generate(start, **kwargs)), settings
+        assert int(got[0, -1 if "forced_eos_token_id" in settings else 1]) in (5, 9)  # (5 and 7 tie: argmax takes 5)
+    kwargs = dict(max_new_tokens=6, **FIXED, top_k=10, renormalize_logits=True,
+                  return_dict_in_generate=True, output_scores=True)
+    got, ref = sample(ours, 4, ids, **kwargs), sample(hf, 4, ids, **kwargs)
+    assert torch.equal(got.sequences, ref.sequences)
+    for mine, theirs in zip(got.scores, ref.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.logsumexp(-1), torch.zeros(2), atol=1e-5, rtol=0)  # log-probabilities
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(num_beams=3, num_return_sequences=2, length_penalty=0.5)])

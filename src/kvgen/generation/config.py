@@ -43,9 +43,15 @@ class GenerationConfig:
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None
+    typical_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
     repetition_penalty: float | None = None
     no_repeat_ngram_size: int | None = None  # no n-gram of this size twice
     bad_words_ids: list[list[int]] | None = None  # token sequences never completed
+    forced_bos_token_id: int | None = None  # the first token, after a one-token prompt
+    forced_eos_token_id: int | list[int] | None = None  # the last token, at max_length
+    renormalize_logits: bool | None = None  # scores log-softmaxed after every processor
     num_beams: int | None = None
     num_beam_groups: int | None = None
     diversity_penalty: float | None = None

@@ -102,13 +102,13 @@ class GenerationMixin:
             config.pad_token_id = config.eos_ids()[0]
 
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
-        processors = build_processors(config, input_ids.shape[1], custom_processors)
+        max_length = self._max_length(config, input_ids.shape[1])
+        processors = build_processors(config, input_ids.shape[1], custom_processors, max_length)
         drafter = make_drafter(self, config, assistant_model, input_ids, processors)  # (raises before any cache edit)
         stops = self._stopping(config, tokenizer, custom_criteria, beams or drafter is not None)
         cache, legacy_in = as_cache(past_key_values)
         if cache is not None:  # before anything edits it: a cache of another model raises untouched
             check_cache_model(cache, self)
-        max_length = self._max_length(config, input_ids.shape[1])
         if not config.use_cache:
             cache = None
         elif cache is None:

@@ -122,6 +122,52 @@ def min_p(p: float, min_tokens_to_keep: int = 1) -> Processor:
     return apply
 
 
+def typical_p(mass: float, min_tokens_to_keep: int = 1) -> Processor:
+    """Keep the tokens whose surprise is closest to the distribution's entropy, holding ``mass`` (transformers'
+    ``TypicalLogitsWarper``)."""
+    def apply(input_ids, scores):
+        normalized = scores.log_softmax(dim=-1)
+        entropy = -(normalized * normalized.exp()).nansum(-1, keepdim=True)
+        shifted, order = ((-normalized) - entropy).abs().sort(descending=False)
+        cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+        last = (cumulative < mass).sum(dim=1).clamp_(max=shifted.shape[-1] - 1)
+        remove = shifted > shifted.gather(1, last.view(-1, 1))
+        remove[..., :min_tokens_to_keep] = False
+        return scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+
+    return apply
+
+
+def probability_cutoff(epsilon: float, eta: bool, min_tokens_to_keep: int = 1) -> Processor:
+    """Drop the tokens less likely than ``epsilon`` (transformers' ``EpsilonLogitsWarper``), or with ``eta``, than
+    ``min(epsilon, sqrt(epsilon) * exp(-entropy))`` (``EtaLogitsWarper``); the likeliest token stays."""
+    def apply(input_ids, scores):
+        probabilities = scores.softmax(dim=-1)
+        cutoff = torch.tensor(epsilon, dtype=scores.dtype, device=scores.device)
+        if eta:
+            entropy = torch.distributions.Categorical(logits=scores).entropy()
+            cutoff = torch.min(cutoff, cutoff.sqrt() * torch.exp(-entropy))[..., None]
+        kept = torch.topk(scores, min(min_tokens_to_keep, scores.shape[-1]))[0][..., -1, None]
+        return scores.masked_fill((probabilities < cutoff) & (scores < kept), -float("inf"))
+
+    return apply
+
+
+def forced_tokens(token_ids: int | list[int], at_length: int) -> Processor:
+    """Only ``token_ids`` may come when the sequence is ``at_length`` long (transformers' ``ForcedBOSToken`` /
+    ``ForcedEOSTokenLogitsProcessor``)."""
+    ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+
+    def apply(input_ids, scores):
+        if input_ids.shape[-1] != at_length:
+            return scores
+        forced = torch.full_like(scores, -float("inf"))
+        forced[:, ids] = 0
+        return forced
+
+    return apply
+
+
 def apply_processors(processors: list[Processor], input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """``scores`` (B, V) after each processor in turn, given the sequences so far ``input_ids`` (B, L)."""
     for processor in processors:
@@ -129,9 +175,11 @@ def apply_processors(processors: list[Processor], input_ids: torch.Tensor, score
     return scores
 
 
-def build_processors(config, prompt_length: int, custom: list[Processor] = ()) -> list[Processor]:
+def build_processors(config, prompt_length: int, custom: list[Processor] = (),
+                     max_length: int | None = None) -> list[Processor]:
     """The processors ``config`` asks for, in the order transformers applies them; ``custom`` ones (generate's
-    ``logits_processor``) after the others and before the sampling ones, where transformers merges them."""
+    ``logits_processor``) after the others and before the sampling ones, where transformers merges them.
+    ``max_length``: where ``forced_eos_token_id`` ends the sequence."""
     processors: list[Processor] = []
     # a setting that is None is off (as in transformers)
     if config.repetition_penalty not in (None, 1.0):
@@ -145,6 +193,10 @@ def build_processors(config, prompt_length: int, custom: list[Processor] = ()) -
         processors.append(suppress_eos_until(eos, config.min_length))
     if eos and config.min_new_tokens:
         processors.append(suppress_eos_until(eos, prompt_length + config.min_new_tokens))
+    if config.forced_bos_token_id is not None:
+        processors.append(forced_tokens(config.forced_bos_token_id, 1))
+    if config.forced_eos_token_id is not None and max_length is not None:
+        processors.append(forced_tokens(config.forced_eos_token_id, max_length - 1))
     if config.suppress_tokens:
         processors.append(suppress(config.suppress_tokens))
     if config.begin_suppress_tokens:
@@ -159,4 +211,12 @@ def build_processors(config, prompt_length: int, custom: list[Processor] = ()) -
             processors.append(top_p(config.top_p))
         if config.min_p is not None:  # (after the temperature, as in transformers and llama.cpp)
             processors.append(min_p(config.min_p))
+        if config.typical_p is not None and config.typical_p < 1.0:
+            processors.append(typical_p(config.typical_p))
+        if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
+            processors.append(probability_cutoff(config.epsilon_cutoff, eta=False))
+        if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
+            processors.append(probability_cutoff(config.eta_cutoff, eta=True))
+    if config.renormalize_logits:  # (always the last, as in transformers)
+        processors.append(lambda input_ids, scores: scores.log_softmax(dim=-1))
     return processors
