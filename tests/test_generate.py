@@ -164,6 +164,37 @@ def test_no_repeat_ngram_size_and_bad_words_ids_as_in_transformers(pair):
         ours.generate(ids, **kwargs, no_repeat_ngram_size=-1)
 
 
+@pytest.mark.parametrize("settings", [dict(), dict(num_beams=3, num_return_sequences=2), dict(do_sample=True)])
+def test_prefix_allowed_tokens_fn_as_in_transformers(pair, settings):
+    hf, ours, _ = pair
+    ids = prompt()
+
+    def allowed(batch_id, row):  # odd last token: a window that depends on the prompt; even: another
+        return list(range(10 + 7 * batch_id, 40 + 7 * batch_id)) if int(row[-1]) % 2 else list(range(60, 90))
+
+    kwargs = dict(max_new_tokens=8, **FIXED, prefix_allowed_tokens_fn=allowed, **settings)
+    torch.manual_seed(5)
+    got = ours.generate(ids, **kwargs)
+    torch.manual_seed(5)
+    assert torch.equal(got, hf.generate(ids, **kwargs))
+    rows = got.shape[0] // ids.shape[0]
+    for row, seq in enumerate(got.tolist()):  # every new token was allowed after what came before it
+        assert all(seq[i] in allowed(row // rows, torch.tensor(seq[:i])) for i in range(6, len(seq)))
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn allowed no token for batch id 0"):
+        ours.generate(ids, max_new_tokens=2, prefix_allowed_tokens_fn=lambda b, row: [], **FIXED)
+
+
+def test_max_time_stops_every_row_as_in_transformers(pair):
+    hf, ours, _ = pair
+    ids = prompt()
+    kwargs = dict(max_new_tokens=10, **FIXED)
+    got = ours.generate(ids, max_time=0.0, **kwargs)  # past after the first step: one new token
+    assert got.shape == (2, 7) and torch.equal(got, hf.generate(ids, max_time=0.0, **kwargs))
+    assert ours.generate(ids, max_time=600.0, **kwargs).shape == (2, 16)
+    with pytest.raises(ValueError, match="max_time must be a number of seconds >= 0"):
+        ours.generate(ids, max_time=-1.0, **kwargs)
+
+
 def test_forced_tokens_and_renormalized_scores_as_in_transformers(pair):
     hf, ours, _ = pair
     ids = prompt()

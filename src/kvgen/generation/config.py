@@ -72,6 +72,7 @@ class GenerationConfig:
     suppress_tokens: list[int] | None = None  # never generated (Whisper's generation config sets these)
     begin_suppress_tokens: list[int] | None = None  # not generated as the first new token
     stop_strings: str | list[str] | None = None  # a row stops once its text holds one (needs tokenizer=)
+    max_time: float | None = None  # seconds after which every row stops
     # speculative decoding (kvgen.generation.speculative): one drafter at a time
     prompt_lookup_num_tokens: int | None = None  # draft this many tokens by n-gram lookup in the sequence
     max_matching_ngram_size: int | None = None  # longest n-gram looked up (default 2)

@@ -20,7 +20,7 @@ from kvgen.generation.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from kvgen.generation.logits import apply_processors, build_processors
 from kvgen.generation.search import BeamSearch, choose_next_tokens
 from kvgen.generation.speculative import make_drafter, speculative_decode
-from kvgen.generation.stop_strings import StopStrings
+from kvgen.generation.stopping import MaxTime, StopStrings
 from kvgen.models.decode_blocks import blocks_compiled, eager_blocks
 from kvgen.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
@@ -74,10 +74,11 @@ class GenerationMixin:
         fill or continue: only the tokens it has not seen are fed).
         ``assistant_model``, ``prompt_lookup_num_tokens`` or ``assistant_early_exit`` turn on
         speculative decoding (:mod:`kvgen.generation.speculative`). ``stop_strings`` with ``tokenizer``
-        finish a row once its text holds one (:mod:`kvgen.generation.stop_strings`), as in transformers;
+        finish a row once its text holds one (:mod:`kvgen.generation.stopping`), as in transformers;
         so does a ``stopping_criteria`` list of callables ``(input_ids, scores) -> (B,) bool``, and a
         ``logits_processor`` list of callables ``(input_ids, scores) -> scores`` runs after kvgen's own
-        processors and before the sampling ones (temperature, top-k, top-p, min-p), as transformers merges them.
+        processors and before the sampling ones (temperature, top-k, top-p, min-p), as transformers merges them;
+        ``prefix_allowed_tokens_fn(batch_id, input_ids_row) -> token ids`` constrains each step, as in transformers.
         Returns the sequences (B, L + new), or with ``return_dict_in_generate=True`` a
         ``GenerateDecoderOnlyOutput`` (``GenerateBeamDecoderOnlyOutput`` with ``num_beams > 1``).
         """
@@ -90,6 +91,7 @@ class GenerationMixin:
         tokenizer = model_inputs.pop("tokenizer", None)  # (for stop_strings, as in transformers)
         custom_processors = list(model_inputs.pop("logits_processor", None) or [])  # (ids, scores) -> scores
         custom_criteria = list(model_inputs.pop("stopping_criteria", None) or [])  # (ids, scores) -> (B,) bool
+        prefix_allowed_tokens_fn = model_inputs.pop("prefix_allowed_tokens_fn", None)  # (batch_id, ids) -> token ids
         if model_inputs:
             raise TypeError(f"generate() got arguments it does not know: {sorted(model_inputs)}")
         if past_key_values is not None and "cache_implementation" in kwargs:
@@ -103,7 +105,8 @@ class GenerationMixin:
 
         input_ids, attention_mask = self._prompt_inputs(input_ids, attention_mask, config)
         max_length = self._max_length(config, input_ids.shape[1])
-        processors = build_processors(config, input_ids.shape[1], custom_processors, max_length)
+        processors = build_processors(config, input_ids.shape[1], custom_processors, max_length,
+                                      prefix_allowed_tokens_fn)
         drafter = make_drafter(self, config, assistant_model, input_ids, processors)  # (raises before any cache edit)
         stops = self._stopping(config, tokenizer, custom_criteria, beams or drafter is not None)
         cache, legacy_in = as_cache(past_key_values)
@@ -192,11 +195,12 @@ class GenerationMixin:
 
     @staticmethod
     def _stopping(config: GenerationConfig, tokenizer, custom: list, searching: bool) -> list:
-        """Checks (input_ids, scores) -> (B,) bool of the rows to finish: ``stop_strings``, then ``custom``."""
-        stops = ([] if config.stop_strings is None else [StopStrings(tokenizer, config.stop_strings)]) + custom
+        """Checks (input_ids, scores) -> (B,) bool of the rows to finish: ``max_time``, ``stop_strings``, ``custom``."""
+        stops = ([] if config.max_time is None else [MaxTime(config.max_time)]) + \
+            ([] if config.stop_strings is None else [StopStrings(tokenizer, config.stop_strings)]) + custom
         if stops and searching:
-            raise ValueError("stop_strings and stopping_criteria work with greedy and sampled decoding, not with beam "
-                             "search or speculative decoding")
+            raise ValueError("max_time, stop_strings and stopping_criteria work with greedy and sampled decoding, not "
+                             "with beam search or speculative decoding")
         return stops
 
     def _prompt_inputs(self, input_ids, attention_mask, config: GenerationConfig):

@@ -153,6 +153,25 @@ def probability_cutoff(epsilon: float, eta: bool, min_tokens_to_keep: int = 1) -
     return apply
 
 
+def prefix_allowed(fn, num_beams: int) -> Processor:
+    """Only the tokens ``fn(batch_id, sequence)`` allows (transformers' ``PrefixConstrainedLogitsProcessor``; the
+    rows of one prompt's beams share its batch id). Where no allowed token has a finite score in any of a prompt's
+    beams, the allowed ones are scored 0, so the constraint holds."""
+    def apply(input_ids, scores):
+        mask = torch.full_like(scores, -float("inf"))
+        for row in range(input_ids.shape[0]):
+            allowed = fn(row // num_beams, input_ids[row])
+            if len(allowed) == 0:
+                raise ValueError(f"prefix_allowed_tokens_fn allowed no token for batch id {row // num_beams}: the "
+                                 "constraint cannot be met")
+            mask[row, allowed] = 0
+        processed = scores + mask
+        unmet = processed.amax(dim=-1).isneginf().view(-1, num_beams).all(dim=-1, keepdim=True)
+        return torch.where(unmet.repeat_interleave(num_beams, dim=0), mask, processed)
+
+    return apply
+
+
 def forced_tokens(token_ids: int | list[int], at_length: int) -> Processor:
     """Only ``token_ids`` may come when the sequence is ``at_length`` long (transformers' ``ForcedBOSToken`` /
     ``ForcedEOSTokenLogitsProcessor``)."""
@@ -175,11 +194,11 @@ def apply_processors(processors: list[Processor], input_ids: torch.Tensor, score
     return scores
 
 
-def build_processors(config, prompt_length: int, custom: list[Processor] = (),
-                     max_length: int | None = None) -> list[Processor]:
+def build_processors(config, prompt_length: int, custom: list[Processor] = (), max_length: int | None = None,
+                     prefix_allowed_tokens_fn=None) -> list[Processor]:
     """The processors ``config`` asks for, in the order transformers applies them; ``custom`` ones (generate's
     ``logits_processor``) after the others and before the sampling ones, where transformers merges them.
-    ``max_length``: where ``forced_eos_token_id`` ends the sequence."""
+    ``max_length``: where ``forced_eos_token_id`` ends the sequence; ``prefix_allowed_tokens_fn``: generate's."""
     processors: list[Processor] = []
     # a setting that is None is off (as in transformers)
     if config.repetition_penalty not in (None, 1.0):
@@ -193,6 +212,8 @@ def build_processors(config, prompt_length: int, custom: list[Processor] = (),
         processors.append(suppress_eos_until(eos, config.min_length))
     if eos and config.min_new_tokens:
         processors.append(suppress_eos_until(eos, prompt_length + config.min_new_tokens))
+    if prefix_allowed_tokens_fn is not None:
+        processors.append(prefix_allowed(prefix_allowed_tokens_fn, config.num_beams or 1))
     if config.forced_bos_token_id is not None:
         processors.append(forced_tokens(config.forced_bos_token_id, 1))
     if config.forced_eos_token_id is not None and max_length is not None:

@@ -1,13 +1,16 @@
-"""``stop_strings``: a row stops once its text holds one of them, as with transformers' ``StopStringCriteria``.
+"""Stopping criteria beyond EOS and ``max_length``, as transformers' (``StopStringCriteria``, ``MaxTimeCriteria``).
 
 ``generate(..., stop_strings=["\\n"], tokenizer=tokenizer)``: after each new token, a row whose text now holds a
 stop string that ends within that token's text (it may begin in earlier tokens, the prompt's too, and the
 token may run on past it) is finished, as ``stopping_criteria`` finish rows: the stop string stays in the
 output, and the row is padded after it where the model has an end-of-sequence token (without one, as in
-transformers, a finished row runs on until every row has finished).
+transformers, a finished row runs on until every row has finished). ``max_time``: every row finishes once
+that many seconds have passed since ``generate()`` began (the prefill included).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -42,3 +45,23 @@ class StopStrings:
             before = len(self.tokenizer.decode(row[:-1]))  # the text before the newest token
             done.append(any(text.find(s, max(0, before - len(s) + 1)) >= 0 for s in self.stops))
         return torch.tensor(done, device=input_ids.device)
+
+
+class MaxTime:
+    """Every row is finished once ``seconds`` have passed since this object was made (transformers'
+    ``MaxTimeCriteria``; ``generate()`` makes it before the prefill).
+
+    Example:
+        >>> stop = MaxTime(0.0)
+        >>> stop(torch.zeros(2, 3, dtype=torch.long)).tolist()
+        [True, True]
+    """
+
+    def __init__(self, seconds: float):
+        if not seconds >= 0:
+            raise ValueError(f"max_time must be a number of seconds >= 0, got {seconds}")
+        self.seconds, self.start = seconds, time.time()
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor | None = None) -> torch.Tensor:
+        done = time.time() - self.start > self.seconds
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
