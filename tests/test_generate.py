@@ -146,7 +146,7 @@ def test_custom_logits_processor_and_stopping_criteria_as_in_transformers(pair, 
     assert got.shape[1] < plain.shape[1] and not torch.equal(got, plain[:, :got.shape[1]])  # both took effect
 
 
-def test_no_repeat_ngram_size_and_bad_words_ids_as_in_transformers(pair):
+def test_no_repeat_ngram_size_bad_words_ids_and_sequence_bias_as_in_transformers(pair):
     hf, ours, _ = pair
     ids = prompt()
     kwargs = dict(max_new_tokens=30, **FIXED)
@@ -154,12 +154,16 @@ def test_no_repeat_ngram_size_and_bad_words_ids_as_in_transformers(pair):
     first, pair_of_tokens = int(plain[0, 7]), plain[1, 8:10].tolist()  # a token and a bigram the plain run makes
     for settings in (dict(no_repeat_ngram_size=2), dict(no_repeat_ngram_size=1),
                      dict(bad_words_ids=[[first], pair_of_tokens]),
-                     dict(no_repeat_ngram_size=3, bad_words_ids=[[first]], repetition_penalty=1.3)):
+                     dict(no_repeat_ngram_size=3, bad_words_ids=[[first]], repetition_penalty=1.3),
+                     dict(sequence_bias={(first,): -4.0, tuple(pair_of_tokens): -8.0, (60, 84): 2.5}),
+                     dict(sequence_bias=[[[first], -4.0], [pair_of_tokens, 3.0]], repetition_penalty=1.3)):
         got = ours.generate(ids, **kwargs, **settings)
         assert torch.equal(got, hf.generate(ids, **kwargs, **settings)), settings
         assert not torch.equal(got, plain), settings  # the setting took effect
     with pytest.raises(ValueError, match="bad_words_ids must be a non-empty list"):
         ours.generate(ids, **kwargs, bad_words_ids=[[]])
+    with pytest.raises(ValueError, match="sequence_bias must be a non-empty"):
+        ours.generate(ids, **kwargs, sequence_bias={(): 1.0})
     with pytest.raises(ValueError, match="no_repeat_ngram_size must be >= 0"):
         ours.generate(ids, **kwargs, no_repeat_ngram_size=-1)
 

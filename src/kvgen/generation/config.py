@@ -49,6 +49,7 @@ class GenerationConfig:
     repetition_penalty: float | None = None
     no_repeat_ngram_size: int | None = None  # no n-gram of this size twice
     bad_words_ids: list[list[int]] | None = None  # token sequences never completed
+    sequence_bias: dict | list | None = None  # {(token ids...): bias} added where a sequence would complete
     forced_bos_token_id: int | None = None  # the first token, after a one-token prompt
     forced_eos_token_id: int | list[int] | None = None  # the last token, at max_length
     renormalize_logits: bool | None = None  # scores log-softmaxed after every processor

@@ -36,26 +36,42 @@ def no_repeat_ngram(n: int) -> Processor:
     return apply
 
 
+def sequence_bias(biases: dict | list) -> Processor:
+    """Add each sequence's bias to the score of its last token where the sequence so far ends with its other tokens
+    (always, for a one-token sequence): transformers' ``SequenceBiasLogitsProcessor``. ``biases``: ``{(ids...):
+    bias}`` or ``[[[ids...], bias], ...]``."""
+    pairs = list(biases.items()) if isinstance(biases, dict) else biases
+    if not isinstance(pairs, (list, tuple)) or not pairs or any(
+            not isinstance(p, (list, tuple)) or len(p) != 2 or not isinstance(p[0], (list, tuple)) or not p[0]
+            or any(not isinstance(t, int) or t < 0 for t in p[0]) or not isinstance(p[1], (int, float))
+            for p in pairs):
+        raise ValueError("sequence_bias must be a non-empty {(token ids...): bias} dict or [[token ids], bias] list, "
+                         f"got {biases}")
+    items = [(list(ids), float(bias)) for ids, bias in pairs]
+
+    def apply(input_ids, scores):
+        if any(t >= scores.shape[-1] for ids, _ in items for t in ids):
+            raise ValueError(f"sequence_bias or bad_words_ids hold token ids past the vocabulary ({scores.shape[-1]} "
+                             "tokens)")
+        bias = torch.zeros_like(scores)
+        for row, ids in enumerate(input_ids.tolist()):
+            for sequence, value in items:
+                if len(sequence) - 1 <= len(ids) and ids[len(ids) - len(sequence) + 1:] == sequence[:-1]:
+                    bias[row, sequence[-1]] += value
+        return scores + bias
+
+    return apply
+
+
 def no_bad_words(bad_words_ids: list[list[int]], eos_ids: list[int]) -> Processor:
-    """Never complete one of the token sequences ``bad_words_ids`` (transformers' ``NoBadWordsLogitsProcessor``): a
-    one-token word is banned always, a longer one's last token where the sequence ends with the others."""
+    """Never complete one of the token sequences ``bad_words_ids`` (transformers' ``NoBadWordsLogitsProcessor``: a
+    sequence bias of -inf; a one-token word that is an EOS stays allowed)."""
     if not isinstance(bad_words_ids, (list, tuple)) or not bad_words_ids or any(
             not isinstance(w, (list, tuple)) or not w or any(not isinstance(t, int) or t < 0 for t in w)
             for w in bad_words_ids):
         raise ValueError(f"bad_words_ids must be a non-empty list of non-empty lists of token ids, got {bad_words_ids}")
-    words = [list(w) for w in bad_words_ids if not (len(w) == 1 and w[0] in eos_ids)]  # (EOS stays allowed)
-
-    def apply(input_ids, scores):
-        if any(t >= scores.shape[-1] for w in words for t in w):
-            raise ValueError(f"bad_words_ids hold token ids past the vocabulary ({scores.shape[-1]} tokens)")
-        banned = torch.zeros_like(scores, dtype=torch.bool)
-        for row, ids in enumerate(input_ids.tolist()):
-            for word in words:
-                if len(word) - 1 <= len(ids) and ids[len(ids) - len(word) + 1:] == word[:-1]:
-                    banned[row, word[-1]] = True
-        return scores.masked_fill(banned, -float("inf"))
-
-    return apply
+    words = {tuple(w): -float("inf") for w in bad_words_ids if not (len(w) == 1 and w[0] in eos_ids)}
+    return sequence_bias(words) if words else (lambda input_ids, scores: scores)
 
 
 def suppress_eos_until(eos_ids: list[int], min_total_length: int) -> Processor:
@@ -201,6 +217,8 @@ def build_processors(config, prompt_length: int, custom: list[Processor] = (), m
     ``max_length``: where ``forced_eos_token_id`` ends the sequence; ``prefix_allowed_tokens_fn``: generate's."""
     processors: list[Processor] = []
     # a setting that is None is off (as in transformers)
+    if config.sequence_bias is not None:
+        processors.append(sequence_bias(config.sequence_bias))
     if config.repetition_penalty not in (None, 1.0):
         processors.append(repetition_penalty(config.repetition_penalty))
     eos = config.eos_ids()
