@@ -89,6 +89,8 @@ class CountedSettings:
     def __setattr__(self, name: str, value) -> None:
         _changes[0] += 1
         super().__setattr__(name, value)
+
+
 _STORES = ("_modules", "_parameters", "_buffers")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks")
 
