@@ -21,7 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import kvgen
 from kvgen.kernels import integer_dot_formats, kernels_available, unavailable_reason
-from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows
+from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows, untile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from kvgen.models.weight_arena import WeightArena
 from kvgen.quantization import TorchAoConfig, quantize_int4, quantize_int8
@@ -35,24 +35,29 @@ K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]  # it can only dequantize these: random bloc
 SCALES_AT = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of each block's float16 scales
 
 
-def random_raw(qtype, rows, cols, seed=0) -> np.ndarray:
+def random_raw(qtype, rows, cols, seed=0, scale=0.01) -> np.ndarray:
+    """gguf's quantization of standard normal values, or random K-quant blocks whose float16 scales are normal with
+    std ``scale``."""
     rng = np.random.default_rng(seed)
     if qtype in QUANTIZABLE:
         return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype).view(np.uint8)
     block, nbytes = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
     for at in SCALES_AT[qtype]:
-        raw[:, :, at:at + 2] = (rng.standard_normal((rows, cols // block, 1)) * 0.01).astype(np.float16).view(np.uint8)
+        raw[:, :, at:at + 2] = (rng.standard_normal((rows, cols // block, 1)) * scale).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
 
 def check_against_gguf(raw: np.ndarray, qtype, cols: int) -> None:
-    """dequantize_ equals gguf bit for bit; qmatmul (1, 2, 3, 8, 11 and 70 rows) equals x @ W.T up to summation
-    order. The same in tiles of 16 rows (the layout models keep Q4_0, Q4_1, Q5_0, Q4_K and Q6_K in), and embedding
-    lookups of either layout."""
+    """dequantize_ and dequantize_on_device (the GPU's torch operations, here on CPU tensors) equal gguf bit for bit;
+    qmatmul (1, 2, 3, 8, 11 and 70 rows) equals x @ W.T up to summation order. The same in tiles of 16 rows (the
+    layout models keep Q4_0, Q4_1, Q5_0, Q4_K and Q6_K in; untile_rows gives the rows back), and embedding lookups
+    of either layout."""
     expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(raw.shape[0], cols))
     weight = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)))], cols)
+    assert torch.equal(dequantize_on_device(int(qtype), weight.segments[0][1], cols), expected)
     tiled = tile_rows(weight)
+    assert torch.equal(untile_rows(tiled).segments[0][1], weight.segments[0][1])
     is_tiled = tiled.segments[0][0] != int(qtype)
     tiles = {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K} | ({Q.Q8_0} if 2008 in integer_dot_formats() else set())
     assert is_tiled == (qtype in tiles and raw.shape[0] % 16 == 0)
@@ -181,9 +186,24 @@ def test_device_decoding_by_torch_operations_equals_the_kernels():
     for weight in weights:
         ((format, data),) = weight.segments
         assert torch.equal(dequantize_on_device(format, data, 256), weight.dequantize()), format
-    raw = torch.from_numpy(random_raw(Q.Q4_K, 4, 256))
-    with pytest.raises(ValueError, match="Q4_K weights run on the CPU only.*dtype=torch.float32"):
-        dequantize_on_device(int(Q.Q4_K), raw, 256)
+    ((format, tiles),) = tile_rows(PackedWeight([(int(Q.Q4_K), torch.from_numpy(random_raw(Q.Q4_K, 16, 256)))],
+                                                256)).segments
+    with pytest.raises(ValueError, match=r"Q4_K rows in tiles of 16 \(format 2012\) decode on the CPU only.*untile"):
+        dequantize_on_device(format, tiles, 256)
+
+
+def test_packed_layers_leave_the_cpu_in_gguf_rows():
+    """Off the CPU, weights in tiles of 16 rows go back to GGUF rows, which dequantize_on_device and row lookups
+    read (here the meta device: shapes only; tests/test_cuda.py runs a GGUF model on a GPU and back)."""
+    q4_k = PackedWeight([(int(Q.Q4_K), torch.from_numpy(random_raw(Q.Q4_K, 32, 256)))], 256)
+    q8_0 = PackedWeight([(int(Q.Q8_0), torch.from_numpy(random_raw(Q.Q8_0, 8, 256)))], 256)  # 8 rows: no tiles
+    layer = QuantizedLinear(tile_rows(PackedWeight(q4_k.segments + q8_0.segments, 256)))
+    embedding = QuantizedEmbedding(tile_rows(q4_k))
+    assert layer.formats == [2012, 8] and embedding.formats == [2012]
+    layer, embedding = layer.to("meta"), embedding.to("meta")
+    assert layer.formats == [12, 8] and embedding.formats == [12] and layer.packed_0.device.type == "meta"
+    assert layer(torch.randn(3, 256, device="meta")).shape == (3, 40)
+    assert embedding(torch.tensor([[1, 31]], device="meta")).shape == (1, 2, 256)
 
 
 def test_a_fused_weight_of_several_formats_is_one_product():

@@ -261,8 +261,8 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
     if not packed:
         return
     if device.type != "cpu":
-        raise ValueError(f"weights kept in their stored format run on the CPU, not {device}; "
-                         "pass dtype=torch.float32 to dequantize them")
+        raise ValueError(f"weights kept in their stored format are loaded on the CPU, not {device}: load them "
+                         f"there and move the model with .to({str(device)!r}), or pass dtype=torch.float32")
     sharing: dict[int, list[str]] = {}  # parameter -> every module holding it (tied embeddings)
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -6,7 +6,8 @@ or one of kvgen's load-time formats (int8 rows with a scale each, int4 groups of
 Fused projections keep one segment per stored part (q, k and v; gate and up), read where the
 file holds them (no copy), whatever their formats (Gemma 3's q/k in Q5_0, v in Q8_0); models
 keep Q4_0, Q4_1, Q5_0, Q4_K and Q6_K in tiles of 16 rows instead (:func:`tile_rows`, a copy in another
-order). ``kvgen.kernels`` multiplies and dequantizes them.
+order). ``kvgen.kernels`` multiplies and dequantizes them on the CPU; on other devices (GGUF rows, not tiles:
+:func:`untile_rows`) :func:`dequantize_on_device` decodes them with torch operations, to the same values.
 """
 
 from __future__ import annotations
@@ -130,18 +131,23 @@ class PackedWeight:
         return PackedWeight([(format, data[index])], self.in_features)
 
 
-#: formats that :func:`dequantize_on_device` decodes with torch operations, on any device
-DEVICE_FORMATS = (1, 30, 1008, 1032, 1064, 1128)
+#: formats that :func:`dequantize_on_device` decodes with torch operations, on any device: every format in rows
+#: (GGUF block types, F16, BF16, kvgen's int8 and int4), not those in tiles of 16 rows (:func:`untile_rows` first)
+DEVICE_FORMATS = (1, 2, 3, 6, 7, 8, 12, 13, 14, 30, 1008, 1032, 1064, 1128)
 
 
 def dequantize_on_device(format: int, data: torch.Tensor, in_features: int) -> torch.Tensor:
-    """One segment as a float32 (rows, in_features) matrix on ``data``'s device (kvgen's int8 and int4, F16, BF16).
+    """One segment as a float32 (rows, in_features) matrix on ``data``'s device, by torch operations.
 
-    The same values as the CPU kernels: ``scale * q`` (int8), ``q * scale + min`` (int4).
+    The CPU kernels' values, bit for bit: GGUF blocks as gguf-py's ``gguf.quants`` decodes them (``d * q`` or
+    ``d * q + m``, float16 scales widened to float32; float32 products of small integers are exact), F16 and BF16
+    widened, ``scale * q`` (int8), ``q * scale + min`` (int4). Segments in tiles of 16 rows (:func:`tile_rows`)
+    raise: :func:`untile_rows` puts them back in rows (as ``module.to(device)`` does for packed layers).
     """
     if format not in DEVICE_FORMATS:
-        raise ValueError(f"{FORMATS[format][0]} weights run on the CPU only, not on {data.device}; load the model "
-                         f"with dtype=torch.float32 (or torch.bfloat16) to run it there, or keep it on the CPU")
+        raise ValueError(f"{FORMATS[format][0]} rows in tiles of 16 (format {format}) decode on the CPU only, not on "
+                         f"{data.device}; put them back in GGUF rows first (untile_rows(weight), which "
+                         f"QuantizedLinear/QuantizedEmbedding.to(device) do), or keep the weight on the CPU")
     rows = data.shape[0]
     if format in (1, 30):
         return data.view(torch.float16 if format == 1 else torch.bfloat16).float()
@@ -149,12 +155,67 @@ def dequantize_on_device(format: int, data: torch.Tensor, in_features: int) -> t
         q = data[:, :in_features].view(torch.int8)  # (rows, in)
         scale = data[:, in_features:].contiguous().view(torch.float32)  # (rows, 1)
         return q.float() * scale
+    if format < 1000:  # GGUF blocks
+        _, values, size, _ = FORMATS[format]
+        blocks = data.view(rows, in_features // values, size)  # (rows, blocks, block bytes)
+        decode = _q4_k_q5_k if format in (12, 13) else _q6_k if format == 14 else _legacy
+        return decode(format, blocks).reshape(rows, in_features)
     group = format - 1000
     blocks = data.view(rows, in_features // group, 8 + group // 2)  # (rows, groups, 8 + G/2)
     scale_min = blocks[..., :8].contiguous().view(torch.float32)  # (rows, groups, 2)
     nibbles = blocks[..., 8:]
     q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).float()  # (rows, groups, G)
     return (q * scale_min[..., :1] + scale_min[..., 1:]).view(rows, in_features)
+
+
+def _f16(fields: torch.Tensor) -> torch.Tensor:
+    """Little-endian float16 fields (..., 2k) uint8 as float32 (..., k)."""
+    return fields.contiguous().view(torch.float16).float()
+
+
+def _fields(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """The ``count`` fields of ``bits`` bits in each byte, lowest first: (..., n) uint8 -> (..., count, n)."""
+    shifts = torch.arange(0, bits * count, bits, dtype=torch.uint8, device=data.device).view(-1, 1)
+    return (data.unsqueeze(-2) >> shifts) & ((1 << bits) - 1)
+
+
+def _legacy(format: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks (rows, blocks, bytes) as float32 (rows, blocks, 32): float16 d
+    (, float16 m) (, 32 fifth bits, little-endian), then 32 int8 values or 16 bytes of low / high nibbles."""
+    d = _f16(blocks[..., :2])  # (rows, blocks, 1)
+    if format == 8:
+        return blocks[..., 2:].view(torch.int8).float() * d
+    with_min, fifth = format in (3, 7), format in (6, 7)
+    head = 4 if with_min else 2
+    q = _fields(blocks[..., head + 4 * fifth:], 4, 2).flatten(-2)  # (rows, blocks, 32): value j, then j + 16
+    if fifth:  # bit j of the mask: bit j % 8 of its byte j // 8
+        q = q | _fields(blocks[..., head:head + 4], 1, 8).transpose(-1, -2).flatten(-2) << 4
+    if with_min:
+        return d * q.float() + _f16(blocks[..., 2:4])
+    return d * (q.float() - (16 if fifth else 8))
+
+
+def _q4_k_q5_k(format: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K, Q5_K blocks (rows, blocks, 144 or 176 bytes) as float32 (rows, blocks, 8, 32), as gguf-py: float16
+    d and dmin, 8 six-bit scales and mins in 12 bytes, (Q5_K: 32 bytes of fifth bits,) 128 bytes of nibbles."""
+    d, dmin = _f16(blocks[..., :2]).unsqueeze(-1), _f16(blocks[..., 2:4]).unsqueeze(-1)  # (rows, blocks, 1, 1)
+    s, m, sm = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # gguf's d, m and m_d bytes
+    scale = torch.cat([s & 63, (sm & 15) | ((s >> 2) & 48)], dim=-1).unsqueeze(-1)  # (rows, blocks, 8, 1)
+    low = torch.cat([m & 63, (sm >> 4) | ((m >> 2) & 48)], dim=-1).unsqueeze(-1)  # (rows, blocks, 8, 1)
+    q = _fields(blocks[..., -128:].unflatten(-1, (4, 32)), 4, 2).flatten(-3, -2)  # (rows, blocks, 8, 32)
+    if format == 13:
+        q = q | _fields(blocks[..., 16:48], 1, 8) << 4  # bit i of byte j: value 32 i + j
+    return (d * scale.float()) * q.float() - dmin * low.float()
+
+
+def _q6_k(format: int, blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks (rows, blocks, 210 bytes) as float32 (rows, blocks, 16, 16), as gguf-py: 128 bytes of low
+    nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values), float16 d last."""
+    low = _fields(blocks[..., :128].unflatten(-1, (2, 64)), 4, 2).flatten(-3)  # (rows, blocks, 256)
+    high = _fields(blocks[..., 128:192].unflatten(-1, (2, 32)), 2, 4).flatten(-3)  # (rows, blocks, 256)
+    q = ((low | high << 4).float() - 32).unflatten(-1, (16, 16))  # (rows, blocks, 16, 16)
+    scale = blocks[..., 192:208].view(torch.int8).float().unsqueeze(-1)  # (rows, blocks, 16, 1)
+    return (_f16(blocks[..., 208:]).unsqueeze(-1) * scale) * q
 
 
 def _tiles(format: int, data: torch.Tensor) -> bool:
@@ -203,6 +264,32 @@ def tile_rows(weight: PackedWeight, empty_like=torch.empty_like) -> PackedWeight
             format, data = 2000 + format, out
         segments.append((format, data))
     release_file_pages(copied)
+    return PackedWeight(segments, weight.in_features)
+
+
+def untile_rows(weight: PackedWeight) -> PackedWeight:
+    """``weight`` with its segments in tiles of 16 rows (:func:`tile_rows`) back in GGUF rows, on their device
+    (torch operations: packed layers leaving the CPU take this layout, which :func:`dequantize_on_device` and row
+    lookups read). Other segments are kept as they are (not copied).
+
+    Example:
+        >>> import gguf, numpy as np
+        >>> raw = gguf.quants.quantize(np.random.randn(16, 64).astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+        >>> torch.equal(untile_rows(tile_rows(PackedWeight([(3, torch.from_numpy(raw))], 64))).segments[0][1],
+        ...             torch.from_numpy(raw))
+        True
+    """
+    segments = []
+    for format, data in weight.segments:
+        if format in TILED:
+            head, size = TILED_HEADS[format - 2000], FORMATS[format][2]
+            tiles, blocks = data.shape[0] // 16, data.shape[1] // size
+            t = data.view(tiles, blocks, 16 * size)
+            heads = t[..., :16 * head].unflatten(-1, (head // 2, 16, 2)).transpose(-3, -2)  # (.., 16 rows, head/2, 2)
+            values = t[..., 16 * head:].unflatten(-1, (size - head, 16)).transpose(-1, -2)  # (.., 16 rows, bytes)
+            block = torch.cat([heads.flatten(-2), values], dim=-1)  # (tiles, blocks, 16 rows, size)
+            format, data = format - 2000, block.transpose(1, 2).reshape(data.shape)
+        segments.append((format, data))
     return PackedWeight(segments, weight.in_features)
 
 

@@ -11,9 +11,11 @@ Larger inputs (prefill) are compute-bound: the weight is dequantized into a scra
 reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul,
 except where the integer dot products are faster at any number of rows (:func:`any_rows_formats`).
 Both paths compute with the weights a float32 model would hold, up to float32 rounding order.
-On a GPU, kvgen's int8 and int4 weights (and F16, BF16) stay in their stored bytes in GPU memory and each
-product decodes them with torch operations into the input's dtype before its matmul
-(:func:`~kvgen.models.packed.dequantize_on_device`); GGUF block types run on the CPU only.
+On a GPU (any device but the CPU) every format stays in its stored bytes in device memory (GGUF blocks, kvgen's
+int8 and int4, F16, BF16) and each product decodes it with torch operations into the input's dtype before its
+matmul (:func:`~kvgen.models.packed.dequantize_on_device`, the CPU kernels' values bit for bit). GGUF segments in
+tiles of 16 rows (the CPU's layout) go back to GGUF rows when a layer leaves the CPU, and into tiles again when it
+comes back (:meth:`_Packed._apply`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.nn import functional as F
 
 from kvgen.kernels import integer_dot_formats
 from kvgen.models.linear import matmul
-from kvgen.models.packed import PackedWeight, dequantize_on_device
+from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows, untile_rows
 
 #: most rows the one-pass product takes; more are dequantized and multiplied by the float32 matmul.
 #: Over SmolLM2's and Gemma 3's layers (AMD EPYC Zen 4, 2 threads) the one-pass product was faster up to
@@ -76,6 +78,17 @@ class _Packed(nn.Module):
         for i, (_, data) in enumerate(weight.segments):
             self.register_buffer(f"packed_{i}", data)
 
+    def _apply(self, fn, recurse=True):
+        """``module.to(device)`` and the like: off the CPU, segments in tiles of 16 rows go back to GGUF rows (which
+        :func:`~kvgen.models.packed.dequantize_on_device` and row lookups read); back on the CPU, into tiles again."""
+        super()._apply(fn, recurse)
+        on_cpu = self._segments[0].device.type == "cpu"
+        if not on_cpu and any(format in TILED for format in self.formats):
+            self.weight, self._tiled_on_cpu = untile_rows(self.weight), True
+        elif on_cpu and self.__dict__.pop("_tiled_on_cpu", False):
+            self.weight = tile_rows(self.weight)
+        return self
+
     @property
     def _segments(self) -> list[torch.Tensor]:
         buffers = self._buffers
@@ -104,7 +117,7 @@ class QuantizedLinear(_Packed):
         return rows <= QMATMUL_ROWS or any_rows_formats().issuperset(self.formats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":  # GPU: decoded by torch operations (int8, int4, F16, BF16), then x's matmul
+        if x.device.type != "cpu":  # GPU: decoded by torch operations, then x's matmul
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.dequantize().to(x.dtype), bias)
         rows = x.numel() // self.in_features
