@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 
+import gguf
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 import kvgen
 from kvgen import SinkCache
@@ -173,6 +175,44 @@ def test_quantized_weights_on_cuda_match_the_cpu_kernels(quant_type, group_size)
     quantized_there = tiny(LLAMA).to(DEVICE)  # quantizing a model already on the GPU
     TorchAoConfig(quant_type, group_size=group_size).quantize_model(quantized_there)
     assert quantized_there(ids.to(DEVICE)).logits.isfinite().all()
+
+
+GGUF_TYPES = {"embed_tokens": Q.Q4_1, "q_proj": Q.Q4_K, "k_proj": Q.Q5_0, "v_proj": Q.Q8_0, "o_proj": Q.Q4_1,
+              "gate_proj": Q.Q6_K, "up_proj": Q.Q4_K, "down_proj": Q.Q8_0, "lm_head": Q.Q6_K}
+K_SCALES = {Q.Q4_K: 1e-3, Q.Q6_K: 2e-4}  # std of random K-quant blocks' float16 scales: weights of std ~0.25
+
+
+def test_gguf_block_types_on_cuda_match_the_cpu(tmp_path):
+    """A GGUF loaded in its stored types (Q4_K, Q6_K, Q5_0, Q8_0, Q4_1: tiles of 16 rows on the CPU) moves to the GPU
+    in GGUF rows, decoded there by torch operations to the CPU kernels' values: the CPU's greedy tokens and prefill
+    logits within 1e-4 (other summation orders). Back on the CPU it is in tiles again, with the same logits."""
+    from test_loading import _random_llama_state, _write_llama_gguf
+    from test_quantized_weights import random_raw
+
+    cfg = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, inter=256, layers=2, vocab=VOCAB)  # K-quants: 256 wide
+    state = _random_llama_state(tied=False, cfg=cfg)
+    replace = {}  # every matrix in its type: gguf quantizes the legacy types (std 0.2), K-quants are random blocks
+    for name, w in state.items():
+        if w.dim() == 2:
+            qtype = GGUF_TYPES[name.split(".")[-2]]
+            replace[name] = (random_raw(qtype, *w.shape, seed=len(replace), scale=K_SCALES[qtype]) if qtype in K_SCALES
+                             else gguf.quants.quantize(2 * w.numpy(), qtype)), qtype
+    _write_llama_gguf(tmp_path / "tiny.gguf", state, Q.F32, replace=replace, cfg=cfg)
+    model = kvgen.AutoModelForCausalLM.from_pretrained(tmp_path / "tiny.gguf")
+    assert set(model.weight_format.split("+")) == {"Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q4_1"}
+    gpu = on(model, DEVICE)
+    qkv = gpu.model.layers[0].self_attn.qkv_proj
+    assert qkv.formats == [12, 6, 8] and qkv.packed_0.device.type == "cuda"  # GGUF rows, stored bytes on the GPU
+    assert model.model.layers[0].self_attn.qkv_proj.formats[:2] == [2012, 2006]  # the CPU's tiles
+    ids = prompt()
+    with torch.no_grad():
+        logits = model(ids).logits
+        assert (gpu(ids.to(DEVICE)).logits.cpu() - logits).abs().max() <= 1e-4
+        kwargs = dict(max_new_tokens=12, disable_compile=True, **GREEDY)
+        assert_same_generation(gpu.generate(ids.to(DEVICE), **kwargs), model.generate(ids, **kwargs), atol=1e-4)
+        back = on(gpu, "cpu")
+        assert back.model.layers[0].self_attn.qkv_proj.formats == model.model.layers[0].self_attn.qkv_proj.formats
+        assert torch.equal(back(ids).logits, logits)
 
 
 def test_continuous_batching_on_cuda_equals_generate_alone():

@@ -65,14 +65,14 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _random_llama_state(tied: bool) -> dict[str, torch.Tensor]:
+def _random_llama_state(tied: bool, cfg: dict = CFG) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    h, inter = CFG["hidden"], CFG["inter"]
-    q, kv = CFG["heads"] * CFG["head_dim"], CFG["kv_heads"] * CFG["head_dim"]
-    shapes = {"model.embed_tokens.weight": (CFG["vocab"], h), "model.norm.weight": (h,)}
+    h, inter = cfg["hidden"], cfg["inter"]
+    q, kv = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (cfg["vocab"], h), "model.norm.weight": (h,)}
     if not tied:
-        shapes["lm_head.weight"] = (CFG["vocab"], h)
-    for i in range(CFG["layers"]):
+        shapes["lm_head.weight"] = (cfg["vocab"], h)
+    for i in range(cfg["layers"]):
         p = f"model.layers.{i}."
         shapes |= {
             p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
@@ -101,33 +101,33 @@ def _finish(writer: gguf.GGUFWriter) -> None:
 
 
 def _write_llama_gguf(path, state: dict[str, torch.Tensor], qtype: Q, name: str = "tiny llama",
-                      replace: dict[str, tuple[np.ndarray, Q]] | None = None) -> None:
+                      replace: dict[str, tuple[np.ndarray, Q]] | None = None, cfg: dict = CFG) -> None:
     """Write ``state`` as llama.cpp would: GGUF names, permuted Q/K rows, 2-D weights in ``qtype``.
 
-    ``replace`` maps HF names to raw (bytes, type) pairs written instead of the tensor.
+    ``replace`` maps HF names to raw (bytes, type) pairs written instead of the tensor; ``cfg``: the sizes.
     """
     replace = replace or {}
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name(name)
-    writer.add_block_count(CFG["layers"])
+    writer.add_block_count(cfg["layers"])
     writer.add_context_length(512)
-    writer.add_embedding_length(CFG["hidden"])
-    writer.add_feed_forward_length(CFG["inter"])
-    writer.add_head_count(CFG["heads"])
-    writer.add_head_count_kv(CFG["kv_heads"])
-    writer.add_rope_dimension_count(CFG["head_dim"])
+    writer.add_embedding_length(cfg["hidden"])
+    writer.add_feed_forward_length(cfg["inter"])
+    writer.add_head_count(cfg["heads"])
+    writer.add_head_count_kv(cfg["kv_heads"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
     writer.add_rope_freq_base(50000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(CFG["vocab"])
+    writer.add_vocab_size(cfg["vocab"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
     for hf_name, tensor in state.items():
         w = tensor.numpy()
         if ".q_proj." in hf_name:
-            w = _llama_cpp_permute(w, CFG["heads"])
+            w = _llama_cpp_permute(w, cfg["heads"])
         elif ".k_proj." in hf_name:
-            w = _llama_cpp_permute(w, CFG["kv_heads"])
+            w = _llama_cpp_permute(w, cfg["kv_heads"])
         if hf_name in replace:
             writer.add_tensor(_gguf_name(hf_name), replace[hf_name][0], raw_dtype=replace[hf_name][1])
         elif w.ndim == 2 and qtype != Q.F32:
