@@ -450,7 +450,9 @@ def test_repeat_penalty_applies_to_greedy_runs_too(smollm_gguf, capsys):
     (["generate", "-p", "x", "-f", "/nonexistent/prompt.txt"], "give the prompt once"),
     (["generate", "--device", "tpu9"], "'tpu9' is not a device"),
     (["generate", "-p", ""], "input_ids holds no tokens"),
-    *([] if torch.cuda.is_available() else [(["generate", "--device", "cuda"], "no CUDA GPU is available here")]),
+    (["serve", "--device", "tpu9"], "'tpu9' is not a device"),
+    *([] if torch.cuda.is_available() else [(["generate", "--device", "cuda"], "no CUDA GPU is available here"),
+                                            (["serve", "--device", "cuda"], "no CUDA GPU is available here")]),
     (["generate", "--cache", "quantized", "--cache-config", "nbits=3"], "nbits"),
     (["chat", "--load", "/nonexistent/chat.safetensors"], "is missing; --load takes a file written by --save"),
 ])

@@ -257,7 +257,7 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
     _set_threads(args.threads)
-    model, tokenizer = load(args.model, args.dtype)
+    model, tokenizer = load(args.model, args.dtype, device=args.device)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                                       max_memory=args.kv_cache_memory, max_queue=args.max_queue,
@@ -364,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-t", "--threads", type=_positive_int, metavar="N", help="CPU threads (default: torch's)")
     s.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model as given)")
     s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--device", type=_device, help="where the model and its KV cache live: cpu, cuda, cuda:1, auto "
+                                                  "(default: cpu; on a GPU a GGUF runs dequantized)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY"),
