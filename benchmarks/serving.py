@@ -33,14 +33,18 @@ Writes ``benchmarks/results/serving.json`` and ``serving.png``.
     python benchmarks/serving.py                       # everything (~30 minutes on 2 cores)
     python benchmarks/serving.py --parts offline prefix --quick
     python benchmarks/serving.py --parts sweep http           # the engine in process and through HTTP
+    python benchmarks/serving.py --parts offline sweep latency --device cuda --model CONFIG --random-weights \\
+        --out DIR                # on a GPU host that lacks the packaged model: its config and tokenizer only
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -178,7 +182,7 @@ def worker_offline(args, model, tokenizer, system: str) -> dict:
     start = time.perf_counter()
     if system == "kvgen-sequential":
         for prompt in prompts:
-            model.generate(torch.tensor([prompt]), max_new_tokens=args.offline_new, do_sample=False,
+            model.generate(torch.tensor([prompt], device=args.device), max_new_tokens=args.offline_new, do_sample=False,
                            eos_token_id=None)
     elif system == "kvgen":
         from kvgen.serving import ContinuousBatchingConfig
@@ -326,7 +330,8 @@ def server_command(system: str, args, folder: str, gguf: str) -> list[str]:
     max_seqs = str(max(args.concurrency))
     if system in ("kvgen", "kvgen-gguf"):
         model = ["--model", folder, "--dtype", "float32"] if system == "kvgen" else ["--model", gguf]
-        return [sys.executable, "-m", "kvgen.cli", "serve", *model, "--served-model-name", "model", "--port", "{port}",
+        return [sys.executable, "-m", "kvgen.cli", "serve", *model, "--device", args.device,
+                "--served-model-name", "model", "--port", "{port}",
                 "--max-num-seqs", max_seqs, "--max-batch-tokens", str(args.max_batch_tokens), "--max-queue", "1024",
                 "--kv-cache-memory", args.kv_memory]
     if system == "transformers":
@@ -391,7 +396,8 @@ def part_http(args, in_process: dict | None, previous: dict | None) -> dict:
     import kvgen
     from kvgen.loading.default_model import default_gguf_path, default_model_dir
 
-    folder, gguf = str(default_model_dir()), str(default_gguf_path())
+    folder = args.model or str(default_model_dir())
+    gguf = str(default_gguf_path()) if {"kvgen-gguf", "llama.cpp"} & set(args.http_systems) else ""
     tokenizer = kvgen.AutoTokenizer.from_pretrained(folder)
     text = kjv_ids(tokenizer, 60000).tolist()
     out = {system: result for system, result in (previous or {}).items() if system in HTTP_SYSTEMS}
@@ -428,16 +434,17 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     from kvgen.loading.default_model import default_model_dir
 
-    folder = str(default_model_dir())
+    folder = args.model or str(default_model_dir())
     if args.worker == "transformers":
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                  device_map=args.device).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     else:
         import kvgen
 
-        model = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map=args.device)
         tokenizer = kvgen.AutoTokenizer.from_pretrained(folder)
     part = args.worker
     if part in ("kvgen", "kvgen-sequential", "transformers"):
@@ -447,8 +454,35 @@ def worker(args) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
+def random_checkpoint(source: str) -> str:
+    """A folder with ``source``'s config and tokenizer and normally distributed weights (std 0.02, the
+    initializer range of Llama checkpoints): the same shapes and work, on a host where the weights can't go."""
+    import torch
+
+    import kvgen
+    from kvgen.loading.checkpoint import save_safetensors_checkpoint
+
+    config = json.loads((Path(source) / "config.json").read_text())
+    torch.manual_seed(0)
+    model = kvgen.AutoModelForCausalLM.from_config(kvgen.PretrainedConfig(**config))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    folder = tempfile.mkdtemp(prefix="serving-random-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    save_safetensors_checkpoint(folder, model.state_dict(), config)
+    kvgen.AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return folder
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+
+
 def spawn(args, part: str) -> dict:
-    command = [sys.executable, __file__, "--worker", part, "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+    command = [sys.executable, __file__, "--worker", part, "--threads", str(args.threads), "--device", args.device]
+    command += (["--quick"] if args.quick else []) + (["--model", args.model] if args.model else [])
     print(f"-- {part}", flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -491,8 +525,9 @@ def chart(results: dict, path: Path) -> None:
             ax.plot([int(c) for c in levels], [r[f"{key}_ms_{q}"] for r in rows], "o-", label=q)
         ax.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title=title)
         ax.legend(fontsize=7)
-    fig.suptitle(f"SmolLM2-135M float32 (HTTP kvgen-gguf and llama.cpp: the Q4_1 GGUF), {results['threads']} "
-                 f"threads, {results['cpu']}", fontsize=9)
+    where = f"{results['threads']} threads, {results['cpu']}" if results.get("device", "cpu") == "cpu" \
+        else f"on {results['device']}" + (", random weights" if results.get("random_weights") else "")
+    fig.suptitle(f"SmolLM2-135M float32 (HTTP kvgen-gguf and llama.cpp: the Q4_1 GGUF), {where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -504,6 +539,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter prompts and outputs, fewer requests")
     parser.add_argument("--systems", nargs="+", choices=HTTP_SYSTEMS, default=list(HTTP_SYSTEMS),
                         help="servers the http part runs")
+    parser.add_argument("--device", default="cpu", help="where the models run (cuda: a GPU)")
+    parser.add_argument("--model", help="a float checkpoint folder (default: the packaged SmolLM2's)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="--model's config and tokenizer with random weights (a host without its weights)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of serving.json and serving.png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prompt, args.new = ((100, 400), (32, 64)) if args.quick else ((100, 1000), (64, 256))
@@ -516,19 +556,23 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    path = RESULTS / "serving.json"
+    if args.random_weights:
+        args.model = random_checkpoint(args.model or str(default_model_dir()))
+    path = args.out / "serving.json"
     results = json.loads(path.read_text()) if path.exists() else {}
-    results.update({"cpu": cpu(), "threads": args.threads, "quick": args.quick, "load_before": os.getloadavg()[0],
+    results.update({"cpu": cpu(), "device": device_name(args.device), "random_weights": args.random_weights,
+                    "threads": args.threads, "quick": args.quick, "load_before": os.getloadavg()[0],
                     "max_batch_tokens": args.max_batch_tokens, "prompt_tokens": args.prompt, "new_tokens": args.new})
     for part in args.parts:
         if part == "offline":
-            results["offline"] = {system: spawn(args, system)
-                                  for system in ("kvgen", "kvgen-sequential", "transformers")}
-            o = results["offline"]
-            results["offline"]["speedup_vs_sequential"] = round(
-                o["kvgen"]["output_tok_per_s"] / o["kvgen-sequential"]["output_tok_per_s"], 2)
-            results["offline"]["speedup_vs_transformers"] = round(
-                o["kvgen"]["output_tok_per_s"] / o["transformers"]["output_tok_per_s"], 2)
+            o = results["offline"] = {system: spawn(args, system) for system in ("kvgen", "kvgen-sequential")}
+            rate = lambda system: o[system]["output_tok_per_s"]  # noqa: E731
+            o["speedup_vs_sequential"] = round(rate("kvgen") / rate("kvgen-sequential"), 2)
+            try:  # the baseline's failure (e.g. another transformers version on a GPU host) is recorded, not fatal
+                o["transformers"] = spawn(args, "transformers")
+                o["speedup_vs_transformers"] = round(rate("kvgen") / rate("transformers"), 2)
+            except SystemExit as failure:
+                o["transformers"] = {"error": str(failure)[-1500:]}
         elif part == "http":
             same = lambda part: part if part and part.get("quick") == args.quick else None  # noqa: E731
             results["http"] = part_http(args, same(results.get("sweep")), same(results.get("http")))
@@ -536,9 +580,9 @@ def main() -> None:
         else:
             results[part] = spawn(args, part)
             results[part]["quick"] = args.quick
-        RESULTS.mkdir(exist_ok=True)
+        args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
-    chart(results, RESULTS / "serving.png")
+    chart(results, args.out / "serving.png")
     print(f"wrote {path}")
 
 

