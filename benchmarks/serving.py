@@ -182,8 +182,8 @@ def worker_offline(args, model, tokenizer, system: str) -> dict:
     start = time.perf_counter()
     if system == "kvgen-sequential":
         for prompt in prompts:
-            model.generate(torch.tensor([prompt], device=args.device), max_new_tokens=args.offline_new, do_sample=False,
-                           eos_token_id=None)
+            model.generate(torch.tensor([prompt], device=args.device), max_new_tokens=args.offline_new,
+                           do_sample=False, eos_token_id=None)
     elif system == "kvgen":
         from kvgen.serving import ContinuousBatchingConfig
 
@@ -557,6 +557,8 @@ def main() -> None:
         worker(args)
         return
     if args.random_weights:
+        from kvgen.loading.default_model import default_model_dir
+
         args.model = random_checkpoint(args.model or str(default_model_dir()))
     path = args.out / "serving.json"
     results = json.loads(path.read_text()) if path.exists() else {}

@@ -3,7 +3,10 @@
 llama.cpp is built once from the source that PyPI's ``llama-cpp-python`` sdist vendors
 (``pip download --no-deps --no-binary :all: llama-cpp-python``), with cmake, into
 ``~/.cache/kvgen-bench/llamacpp`` (about 15 minutes on 2 cores; only the ``llama-bench``
-target). It is a benchmark tool, never a kvgen dependency.
+target). It is a benchmark tool, never a kvgen dependency. It is built for this CPU (``GGML_NATIVE``)
+without AMX: that version's AMX matrix product crashes on a Sapphire Rapids host (an invalid tile
+configuration: SIGILL or SIGSEGV at its first tile instruction; llama.cpp PR 26954, open), so an x86 build
+takes ``-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`` (no change on CPUs without AMX).
 
 For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M) and thread count (1, 2), kvgen and
 llama-bench alternate in fresh processes, ``--rounds`` times:
@@ -64,9 +67,10 @@ def llama_cpp_tool(name: str) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(CACHE, filter="data")
     print(f"building llama-bench and llama-server in {source} (about 15 minutes)", file=sys.stderr)
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine() in ("x86_64", "AMD64") else ""
     subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"],
-                   cwd=source, check=True)
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+                    f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"], cwd=source, check=True)
     subprocess.run(["cmake", "--build", "build", "--target", "llama-bench", "llama-server",
                     "-j", str(os.cpu_count() or 1)], cwd=source, check=True)
     return source / "build" / "bin" / name
