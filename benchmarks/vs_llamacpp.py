@@ -19,9 +19,11 @@ llama-bench alternate in fresh processes, ``--rounds`` times:
 * peak RSS of each process (``wait4``).
 
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
-plus the keys and values attended to) over the read bandwidth of a 256 MB ``sum`` or ``amax``,
-whichever is faster, read in the worker just before and just after its batch-1 steps (the higher
-of the two; the worker's peak RSS is taken before the probe's buffer exists). Writes
+plus the keys and values attended to) over the rate at which the worker reads a buffer of as many
+bytes, the best of torch's ``sum`` and ``amax`` and a prefetching C loop (:func:`read_bandwidth`),
+read just before and just after its batch-1 steps (the higher of the two; the worker's peak RSS is
+taken before the probe's buffer exists). Until 2026-11-27 the buffer was 256 MB and read by torch
+alone: on a Xeon with 480 MB of L3 that understates the rate at a decode step's size. Writes
 ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
 
     python benchmarks/vs_llamacpp.py                      # both models, 1 and 2 threads, 3 rounds
@@ -138,7 +140,7 @@ def kvgen_worker(model: str, threads: int) -> dict:
             tokens = torch.randint(100, min(vocab, 30000), (batch, NEW + 3), generator=torch.Generator().manual_seed(1))
             if batch == 1:  # the roofline's bandwidth, read on either side of the steps it divides
                 result["peak_rss_mb"] = peak_rss_mb()
-                probe = torch.ones(64 * 2**20)
+                probe = torch.ones(int(weights + attended_kv_bytes(m, cache, PROMPT + 3 + NEW / 2)) // 4)
                 result["read_bandwidths"] = [read_bandwidth(probe)]
             for i in range(3):
                 m(tokens[:, i:i + 1], past_key_values=cache)  # warm-up at this batch size
@@ -154,10 +156,59 @@ def kvgen_worker(model: str, threads: int) -> dict:
 
 
 def read_bandwidth(src) -> float:
-    """The read bandwidth of this process's threads over ``src`` (256 MB, far past the caches), bytes/s: the best of
-    torch's ``sum`` and ``max``, 5 reads each (``sum`` alone reads ~15% slower than ``max`` on Zen 4: 45.6 against
-    54.0 GB/s, 2 threads, where kvgen's own Q8_0 lm_head product reached 54.6)."""
-    return max(src.numel() * src.element_size() / _timed(read) for read in (src.sum, src.amax) for _ in range(5))
+    """The rate at which this process's threads read ``src`` again and again, bytes/s: the best of torch's ``sum`` and
+    ``max`` and of a plain C loop that prefetches 0-16 kB ahead (:func:`_prefetched_read`), 5 reads each. ``src``
+    holds as many bytes as a decode step reads: where the last-level cache is large (a Xeon with 480 MB of L3) the
+    rate depends on the size, 17.8 GB/s over 178 MB on 1 thread against 14.9 over 256 MB and 15.6 over 1 GB.
+    ``sum`` alone reads ~15% slower than ``max`` on Zen 4 (45.6 against 54.0 GB/s, 2 threads, where kvgen's own
+    Q8_0 lm_head product reached 54.6); on that Xeon both fall short of a prefetching loop (11.7 / 9.8 against
+    14.0 GB/s over 256 MB, 1 thread; kvgen's products prefetch there)."""
+    import torch
+
+    reads = [src.sum, src.amax]
+    summed = _prefetched_read()
+    for ahead in (0, 8192, 16384):
+        reads.append(lambda ahead=ahead: summed(src.data_ptr(), src.numel(), ahead, torch.get_num_threads()))
+    return max(src.numel() * src.element_size() / _timed(read) for read in reads for _ in range(5))
+
+
+def _prefetched_read():
+    """``float sum(const float* p, long n, long ahead, int threads)``: OpenMP threads each summing their share of
+    ``p``, 4 cache lines at a time, prefetching ``ahead`` bytes on (built with the system's g++ into the
+    benchmark's cache on first use)."""
+    import ctypes
+
+    library = CACHE / "prefetched_read_4.so"
+    if not library.exists():
+        source = CACHE / "prefetched_read.cpp"
+        CACHE.mkdir(parents=True, exist_ok=True)
+        source.write_text("""
+#include <omp.h>
+typedef float v16 __attribute__((vector_size(64)));
+extern "C" float sum(const float* p, long n, long ahead, int threads) {
+  float total = 0;
+  #pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const long lines = n / 16, per = (lines + omp_get_num_threads() - 1) / omp_get_num_threads();
+    const long begin = per * omp_get_thread_num(), end = begin + per < lines ? begin + per : lines;
+    v16 a = {}, b = {}, c = {}, d = {};
+    for (long i = begin; i + 3 < end; i += 4) {
+      for (int l = 0; ahead && l < 4; ++l) __builtin_prefetch((const char*)(p + 16 * i) + ahead + 64 * l, 0, 3);
+      a += *(const v16*)(p + 16 * i);
+      b += *(const v16*)(p + 16 * i + 16);
+      c += *(const v16*)(p + 16 * i + 32);
+      d += *(const v16*)(p + 16 * i + 48);
+    }
+    for (int j = 0; j < 16; ++j) total += a[j] + b[j] + c[j] + d[j];
+  }
+  return total;
+}
+""")
+        subprocess.run(["g++", "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", str(source), "-o",
+                        str(library)], check=True)
+    function = ctypes.CDLL(str(library)).sum
+    function.restype, function.argtypes = ctypes.c_float, [ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    return function
 
 
 def _timed(fn) -> float:
