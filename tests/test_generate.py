@@ -218,6 +218,31 @@ def test_forced_tokens_and_renormalized_scores_as_in_transformers(pair):
         torch.testing.assert_close(mine.logsumexp(-1), torch.zeros(2), atol=1e-5, rtol=0)  # log-probabilities
 
 
+def test_exponential_decay_length_penalty_and_remove_invalid_values_as_in_transformers(pair):
+    hf, ours, _ = pair
+    ids = prompt()
+    eos = 40  # a token the plain run doesn't make: the penalty makes it come, past 3 new tokens
+    kwargs = dict(max_new_tokens=20, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True,
+                  output_scores=True)
+    plain = ours.generate(ids, **kwargs).sequences
+    assert plain.shape == (2, 26) and (plain[:, 6:] != eos).all()
+    for settings in (dict(exponential_decay_length_penalty=(3, 1.6)),
+                     dict(exponential_decay_length_penalty=(0, 0.5), bad_words_ids=[[7]], remove_invalid_values=True)):
+        got, ref = ours.generate(ids, **kwargs, **settings), hf.generate(ids, **kwargs, **settings)
+        assert torch.equal(got.sequences, ref.sequences), settings
+        for mine, theirs in zip(got.scores, ref.scores, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    decayed = ours.generate(ids, **kwargs, exponential_decay_length_penalty=(3, 1.6)).sequences
+    assert decayed.shape[1] < 26 and (decayed[:, 6:] == eos).any(dim=1).all()  # every row ended, early
+    cleaned = got.scores[0]  # bad_words_ids' -inf became float32's smallest number
+    assert torch.isfinite(cleaned).all() and float(cleaned[:, 7].max()) == torch.finfo(torch.float32).min
+    for bad in ((3,), (3, 0.0), (-1, 1.5), [2.5, 1.5]):
+        with pytest.raises(ValueError, match="exponential_decay_length_penalty must be"):
+            ours.generate(ids, max_new_tokens=2, eos_token_id=eos, exponential_decay_length_penalty=bad)
+    with pytest.raises(ValueError, match="exponential_decay_length_penalty favours .* set eos_token_id"):
+        ours.generate(ids, max_new_tokens=2, exponential_decay_length_penalty=(1, 1.5), **FIXED)
+
+
 @pytest.mark.parametrize("settings", [dict(), dict(num_beams=3, num_return_sequences=2, length_penalty=0.5)])
 def test_compute_transition_scores_as_in_transformers(pair, settings):
     hf, ours, _ = pair

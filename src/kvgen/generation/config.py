@@ -53,6 +53,8 @@ class GenerationConfig:
     forced_bos_token_id: int | None = None  # the first token, after a one-token prompt
     forced_eos_token_id: int | list[int] | None = None  # the last token, at max_length
     renormalize_logits: bool | None = None  # scores log-softmaxed after every processor
+    remove_invalid_values: bool | None = None  # nan scores become 0, infinite ones the dtype's largest / smallest
+    exponential_decay_length_penalty: tuple[int, float] | None = None  # (start, factor): EOS favoured after start
     num_beams: int | None = None
     num_beam_groups: int | None = None
     diversity_penalty: float | None = None
@@ -141,6 +143,11 @@ class GenerationConfig:
              f"repetition_penalty must be > 0, got {c.repetition_penalty}"),
             (c.no_repeat_ngram_size is None or c.no_repeat_ngram_size >= 0,
              f"no_repeat_ngram_size must be >= 0, got {c.no_repeat_ngram_size}"),
+            (c.exponential_decay_length_penalty is None or _decay_pair(c.exponential_decay_length_penalty),
+             "exponential_decay_length_penalty must be (start_index, decay_factor): new tokens >= 0 and a factor "
+             f"> 0, got {c.exponential_decay_length_penalty!r}"),
+            (c.exponential_decay_length_penalty is None or c.eos_ids(),
+             "exponential_decay_length_penalty favours the end-of-sequence token: set eos_token_id"),
             (c.num_return_sequences >= 1, "num_return_sequences must be >= 1"),
             (sampling or c.num_beams > 1 or c.num_return_sequences == 1,
              "num_return_sequences > 1 needs do_sample=True or num_beams > 1 (greedy decoding gives identical "
@@ -173,3 +180,9 @@ class GenerationConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid generation setting: {message}")
+
+
+def _decay_pair(value) -> bool:
+    """Whether ``value`` is a ``(start_index, decay_factor)`` pair: an int >= 0 and a number > 0."""
+    return (isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], int) and value[0] >= 0
+            and isinstance(value[1], (int, float)) and value[1] > 0)

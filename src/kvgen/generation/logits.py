@@ -203,6 +203,38 @@ def forced_tokens(token_ids: int | list[int], at_length: int) -> Processor:
     return apply
 
 
+def remove_invalid_values() -> Processor:
+    """NaN scores become 0 and infinite ones the dtype's largest or smallest number (transformers'
+    ``InfNanRemoveLogitsProcessor``)."""
+
+    def apply(input_ids, scores):
+        info = torch.finfo(scores.dtype)
+        out = torch.where(scores != scores, 0.0, scores)
+        out = torch.where(scores == float("inf"), info.max, out)
+        return torch.where(scores == -float("inf"), info.min, out)
+
+    return apply
+
+
+def exponential_decay_length_penalty(start_index: int, decay_factor: float, eos_ids: list[int],
+                                     prompt_length: int) -> Processor:
+    """Past ``start_index`` new tokens, each end-of-sequence score grows by ``|score| * (decay_factor ** n - 1)``,
+    n tokens past it (transformers' ``ExponentialDecayLengthPenalty``; infinite scores are left as they are)."""
+    start = start_index + prompt_length
+
+    def apply(input_ids, scores):
+        length = input_ids.shape[-1]
+        if length <= start:
+            return scores
+        eos = scores[:, eos_ids]  # (B, E)
+        penalty = (torch.abs(eos) * (pow(decay_factor, length - start) - 1)).masked_fill(~torch.isfinite(eos), 0.0)
+        penalties = torch.zeros_like(scores)
+        penalties[:, eos_ids] = penalty
+        return scores + penalties
+
+    return apply
+
+
 def apply_processors(processors: list[Processor], input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
     """``scores`` (B, V) after each processor in turn, given the sequences so far ``input_ids`` (B, L)."""
     for processor in processors:
@@ -236,6 +268,11 @@ def build_processors(config, prompt_length: int, custom: list[Processor] = (), m
         processors.append(forced_tokens(config.forced_bos_token_id, 1))
     if config.forced_eos_token_id is not None and max_length is not None:
         processors.append(forced_tokens(config.forced_eos_token_id, max_length - 1))
+    if config.remove_invalid_values:
+        processors.append(remove_invalid_values())
+    if config.exponential_decay_length_penalty is not None:
+        start_index, decay_factor = config.exponential_decay_length_penalty
+        processors.append(exponential_decay_length_penalty(start_index, decay_factor, eos, prompt_length))
     if config.suppress_tokens:
         processors.append(suppress(config.suppress_tokens))
     if config.begin_suppress_tokens:
