@@ -15,8 +15,10 @@
 # versions).
 # It builds kvgen's CPU kernels (the tests compare the GPU with the CPU: ~45 s), runs the CUDA tests of
 # tests/test_cuda.py, test_offload.py and test_persist.py on 8 workers (~2.5 min on an H100 host), then
-# benchmarks/cuda_decode.py (~1.5 min), then benchmarks/serving.py's engine and HTTP parts on the GPU.
-# TESTS (pytest arguments), TESTS_S, BENCH_S and SERVE_S (0 skips a part) cap each part (seconds). Output
+# benchmarks/cuda_decode.py (~1.5 min), then benchmarks/serving.py's engine and HTTP parts on the GPU
+# (SERVE_ARGS, default --quick: ~2.5 min on an H200; "" runs its full settings, ~10 min). TESTS (pytest
+# arguments), TESTS_S, BENCH_S and SERVE_S (0 skips a part) cap each part (seconds); all three parts need
+# more than one 10-minute call of a lent machine: e.g. SERVE_S=0 first, then TESTS_S=0 BENCH_S=0. Output
 # goes to $OUT/cuda_check.log (or ./cuda_check.log) and the benchmarks' JSON to $OUT (or benchmarks/results/).
 set -u
 cd "$(dirname "$0")/.."
@@ -44,7 +46,8 @@ echo "tests done at $(( $(date +%s) - start )) s"
 [ "${BENCH_S:-180}" != 0 ] && timeout "${BENCH_S:-180}" python3 benchmarks/cuda_decode.py --repeats 2
 echo "decode benchmark done at $(( $(date +%s) - start )) s"
 results="${OUT:-benchmarks/results}"
-[ "${SERVE_S:-420}" != 0 ] && [ -d "$wheels/smollm2" ] && timeout "${SERVE_S:-420}" python3 benchmarks/serving.py \
+# shellcheck disable=SC2086
+[ "${SERVE_S:-240}" != 0 ] && [ -d "$wheels/smollm2" ] && timeout "${SERVE_S:-240}" python3 benchmarks/serving.py \
   --parts offline latency sweep http --systems kvgen --device cuda --model "$wheels/smollm2" --random-weights \
-  --out "$results"
+  --out "$results" ${SERVE_ARGS---quick}
 echo "all done at $(( $(date +%s) - start )) s"
