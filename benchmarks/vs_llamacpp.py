@@ -4,7 +4,7 @@ llama.cpp is built once from the source that PyPI's ``llama-cpp-python`` sdist v
 (``pip download --no-deps --no-binary :all: llama-cpp-python``), with cmake, into
 ``~/.cache/kvgen-bench/llamacpp`` (about 15 minutes on 2 cores; only the ``llama-bench``
 target). It is a benchmark tool, never a kvgen dependency. It is built for this CPU (``GGML_NATIVE``)
-without AMX: that version's AMX matrix product crashes on a Sapphire Rapids host (an invalid tile
+without AMX: that version's AMX matrix product crashes on a Xeon with AMX (an invalid tile
 configuration: SIGILL or SIGSEGV at its first tile instruction; llama.cpp PR 26954, open), so an x86 build
 takes ``-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`` (no change on CPUs without AMX).
 
