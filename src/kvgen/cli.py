@@ -273,20 +273,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvgen", description="Key-value-cached text generation")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    def common(p):
+    def model_options(p):  # what loads the model: generate, chat and serve
         p.add_argument("-m", "--model",
                        help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
         p.add_argument("-t", "--threads", type=_positive_int, metavar="N",
                        help="CPU threads (default: torch's, one per core)")
         p.add_argument("--device", type=_device, help="where the model runs: cpu, cuda, cuda:1, auto (default: cpu; "
                                                       "on a GPU a GGUF runs dequantized, in float32 unless --dtype)")
+        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                       help="compute and weight dtype (default: a GGUF's weights stay in their stored types, "
+                            "float checkpoints load in float32)")
+
+    def common(p):
+        model_options(p)
         p.add_argument("--cache", default="dynamic", choices=cache_implementations(), help="cache implementation")
         p.add_argument("--cache-config", type=parse_cache_config, default=None, metavar="KEY=VALUE,...",
                        help="settings of the cache, e.g. backend=kivi,nbits=2 for --cache quantized")
         p.add_argument("-n", "--max-new-tokens", type=_positive_int, default=30, metavar="N")
-        p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                       help="compute and weight dtype (default: a GGUF's weights stay in their stored types, "
-                            "float checkpoints load in float32)")
         p.add_argument("--quantize", choices=["int8", "int4"], help="quantize linear layers at load")
         p.add_argument("--group-size", type=int, default=32, choices=[32, 64, 128], help="int4 group size")
         p.add_argument("--verbose", action="store_true", help="show a traceback on errors")
@@ -360,12 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
-    s.add_argument("-m", "--model", help="HF folder, hub id or .gguf file (default: packaged SmolLM2-135M-Instruct)")
-    s.add_argument("-t", "--threads", type=_positive_int, metavar="N", help="CPU threads (default: torch's)")
+    model_options(s)
     s.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model as given)")
-    s.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    s.add_argument("--device", type=_device, help="where the model and its KV cache live: cpu, cuda, cuda:1, auto "
-                                                  "(default: cpu; on a GPU a GGUF runs dequantized)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY"),
