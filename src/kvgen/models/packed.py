@@ -131,11 +131,6 @@ class PackedWeight:
         return PackedWeight([(format, data[index])], self.in_features)
 
 
-#: formats that :func:`dequantize_on_device` decodes with torch operations, on any device: every format in rows
-#: (GGUF block types, F16, BF16, kvgen's int8 and int4), not those in tiles of 16 rows (:func:`untile_rows` first)
-DEVICE_FORMATS = (1, 2, 3, 6, 7, 8, 12, 13, 14, 30, 1008, 1032, 1064, 1128)
-
-
 def dequantize_on_device(format: int, data: torch.Tensor, in_features: int) -> torch.Tensor:
     """One segment as a float32 (rows, in_features) matrix on ``data``'s device, by torch operations.
 
@@ -144,7 +139,7 @@ def dequantize_on_device(format: int, data: torch.Tensor, in_features: int) -> t
     widened, ``scale * q`` (int8), ``q * scale + min`` (int4). Segments in tiles of 16 rows (:func:`tile_rows`)
     raise: :func:`untile_rows` puts them back in rows (as ``module.to(device)`` does for packed layers).
     """
-    if format not in DEVICE_FORMATS:
+    if format not in FORMATS or format in TILED:  # (every format in rows decodes here)
         raise ValueError(f"{FORMATS[format][0]} rows in tiles of 16 (format {format}) decode on the CPU only, not on "
                          f"{data.device}; put them back in GGUF rows first (untile_rows(weight), which "
                          f"QuantizedLinear/QuantizedEmbedding.to(device) do), or keep the weight on the CPU")
