@@ -22,7 +22,7 @@ from kvgen.cache.static import StaticLayer
 from kvgen.kernels import kernels_available
 from kvgen.models.decode_stack import DecodeStack
 from kvgen.models.llama import layer_parts
-from kvgen.models.packed import PackedWeight
+from kvgen.models.packed import PackedWeight, tile_rows, untile_rows
 from kvgen.quantization import TorchAoConfig
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="kvgen's C++ kernels could not be built here")
@@ -50,6 +50,14 @@ def model(request, tmp_path_factory):
     hf.save_pretrained(folder)
     return kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                      quantization_config=TorchAoConfig("int8_weight_only"))
+
+
+def reversed_rows(weight: PackedWeight) -> torch.Tensor:
+    """The stored bytes of a one-segment ``weight`` with its rows in reverse order, in its layout (rows, or tiles of 16
+    rows where int8 takes integer dot products): another valid weight of the same shape."""
+    ((format, data),) = untile_rows(weight).segments
+    ((_, out),) = tile_rows(PackedWeight([(format, torch.flip(data, [0]).contiguous())], weight.in_features)).segments
+    return out
 
 
 def decode(model, ids, padding, cache, steps, fused: bool, monkeypatch):
@@ -156,8 +164,8 @@ def test_a_replaced_weight_is_read_by_the_next_step(model, monkeypatch):
     down = model.model.layers[1].mlp.down_proj
     saved = down.weight
     try:
-        (fmt, data), = saved.segments
-        down.weight = PackedWeight([(fmt, torch.flip(data, [0]).contiguous())], saved.in_features)
+        ((fmt, _),) = saved.segments
+        down.weight = PackedWeight([(fmt, reversed_rows(saved))], saved.in_features)
         fused, runs = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
         plain, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
     finally:
@@ -177,7 +185,7 @@ def test_a_weight_whose_data_is_set_anew_is_read_by_the_next_step(model, monkeyp
     weight, packed = norm.weight.data, down.packed_0.data
     try:
         norm.weight.data = weight * 2
-        down.packed_0.data = torch.flip(packed, [0]).contiguous()
+        down.packed_0.data = reversed_rows(down.weight)
         fused, runs = decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
         plain, _ = decode(model, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
     finally:
@@ -375,7 +383,7 @@ def test_a_deep_copy_steps_with_its_own_weights(model, monkeypatch):
     decode(model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)  # the original registers its weights
     twin = copy.deepcopy(model)
     (_, data), = twin.model.layers[1].mlp.down_proj.weight.segments
-    data.copy_(torch.flip(data, [0]))
+    data.copy_(reversed_rows(twin.model.layers[1].mlp.down_proj.weight))
     fused, runs = decode(twin, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
     plain, _ = decode(twin, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
     assert runs == 2 and all(torch.equal(a, b) for a, b in zip(fused, plain))

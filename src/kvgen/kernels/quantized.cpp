@@ -9,10 +9,10 @@
 // bit for bit. qmatmul decodes each block once and, for up to 8 input rows, accumulates
 // d * sum(q * x) + m * sum(x) per group in 16-lane float32 accumulators (fused multiply-adds):
 // one pass over the stored bytes, fewer operations per weight than dequantizing first, and
-// the float32 dot product up to rounding order. Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights (and Q8_0
-// where integer dot products run) in tiles of 16 rows (formats 2000 + type) put 16 rows' values in
-// the lanes instead (matmul_tiles); with AVX-512 VNNI they take integer dot products of their stored
-// values with x rounded to 21 bits per block of 32 (matmul_tiles_dot). The decoder ops at the end
+// the float32 dot product up to rounding order. Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights (and Q8_0 and
+// kvgen's int8 and int4 where integer dot products run) in tiles of 16 rows (formats 2000 + the format)
+// put 16 rows' values in the lanes instead (matmul_tiles); with AVX-512 VNNI they take integer dot products
+// of their stored values with x rounded to 21 bits per block of 32 (matmul_tiles_dot). The decoder ops at the end
 // run a decode step's layer around these products.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -415,6 +415,25 @@ struct Q6_Kx16 : Tiled<Q6_K, 0> {
   static constexpr bool PREFETCH = true;
 };
 
+// kvgen's int8 rows in tiles of 16 (format 3008; only where integer dot products run): per block of 32 columns,
+// run j holds value j of the 16 rows (signed bytes), as Q8_0's tiles without a d; after the tile's last block,
+// the 16 rows' float32 scales (ROW_SCALES), which multiply the finished sums
+struct I8x16 : Tiled<I8, 0> {
+  static constexpr bool DOT = true, ROW_SCALES = true;
+  static constexpr int BIAS = 128;
+  template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
+};
+
+// kvgen's int4 groups in tiles of 16 rows (format 2000 + 1000 + G; only where integer dot products run): per
+// group, the 16 rows' float32 scales, then their float32 mins (head fields of FIELD = 4 bytes), then the G / 2
+// bytes of nibbles in runs of 16 (run j: byte j of the 16 rows: value j in its low nibble, G / 2 + j in its high)
+template <int G>
+struct I4x16 : Tiled<I4<G>, 8> {
+  static constexpr int FIELD = 4;
+  static constexpr bool DOT = true;
+  template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
+};
+
 template <class T>
 constexpr bool tiled() {
   if constexpr (requires { T::TILED; }) return T::TILED;
@@ -437,6 +456,15 @@ template <class T>
 constexpr bool has_row_scale() { return false; }
 template <>
 constexpr bool has_row_scale<I8>() { return true; }
+template <>
+constexpr bool has_row_scale<I8x16>() { return true; }
+
+// bytes of a tiled format's head fields (float16 d and m: 2; kvgen's float32 int4 scales and mins: 4)
+template <class T>
+constexpr int field_bytes() {
+  if constexpr (requires { T::FIELD; }) return T::FIELD;
+  return 2;
+}
 
 template <class T>
 void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* out,
@@ -446,17 +474,21 @@ void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1
 template <class T>
 void dequantize_tiles(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, float* out, int64_t ld) {
   using G = typename T::Gguf;
-  const int64_t nb = K / G::QK, TB = 16 * G::BYTES;
-  std::vector<uint8_t> rows(16 * nb * G::BYTES);  // one tile as 16 GGUF rows
+  constexpr int FIELD = field_bytes<T>(), TAIL = has_row_scale<T>() ? 4 : 0;  // TAIL: a row's scale after its blocks
+  const int64_t nb = K / G::QK, TB = 16 * G::BYTES, rb = nb * G::BYTES + TAIL;
+  std::vector<uint8_t> rows(16 * rb);  // one tile as 16 rows
   for (int64_t t = (n0 + 15) / 16; t * 16 < n1; ++t) {
-    const uint8_t* tile = w + t * nb * TB;
-    for (int64_t b = 0; b < nb; ++b)
-      for (int i = 0; i < 16; ++i) {
-        uint8_t* g = rows.data() + (i * nb + b) * G::BYTES;
-        for (int f = 0; f < T::HEAD / 2; ++f) std::memcpy(g + 2 * f, tile + b * TB + 32 * f + 2 * i, 2);
+    const uint8_t* tile = w + t * 16 * rb;
+    for (int i = 0; i < 16; ++i) {
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* g = rows.data() + i * rb + b * G::BYTES;
+        for (int f = 0; f < T::HEAD / FIELD; ++f)
+          std::memcpy(g + FIELD * f, tile + b * TB + 16 * FIELD * f + FIELD * i, FIELD);
         for (int v = 0; v < G::BYTES - T::HEAD; ++v) g[T::HEAD + v] = tile[b * TB + 16 * T::HEAD + 16 * v + i];
       }
-    dequantize_rows<G>(rows.data(), nb * G::BYTES, 0, 16, K, out + t * 16 * ld, ld);
+      std::memcpy(rows.data() + i * rb + nb * G::BYTES, tile + nb * TB + TAIL * i, TAIL);
+    }
+    dequantize_rows<G>(rows.data(), rb, 0, 16, K, out + t * 16 * ld, ld);
   }
 }
 
@@ -1112,6 +1144,43 @@ void Q8_0x16::dot_groups(const uint8_t* blk, F&& f) {
   f(Vectors8{}, 0, u, m512(f16_fields(blk)), _mm512_setzero_ps());
 }
 
+template <int R, class F>
+void I8x16::dot_groups(const uint8_t* blk, F&& f) {
+  __m512i u[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) u[j] = _mm512_xor_si512(by_row(blk + 64 * j), _mm512_set1_epi8((char)0x80));
+  f(Vectors8{}, 0, u, _mm512_set1_ps(1.0f), _mm512_setzero_ps());
+}
+
+template <int G>
+template <int R, class F>
+void I4x16<G>::dot_groups(const uint8_t* blk, F&& f) {
+  const __m512 d = _mm512_loadu_ps(blk), m = _mm512_loadu_ps(blk + 64);
+  const uint8_t* run = blk + 128;
+  if constexpr (G == 32) {  // runs 4 j .. 4 j + 3: values 4 j + a (low nibbles), 16 + 4 j + a (high)
+    __m512i u[8];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = by_row(run + 64 * j);
+      u[j] = low4(v);
+      u[4 + j] = high4(v);
+    }
+    f(Vectors8{}, 0, u, d, m);
+  } else {  // runs 32 c .. 32 c + 31: values 32 c .. (low nibbles) and G / 2 + 32 c .. (high), as Q4_K's chunks
+    for (int c = 0; c < G / 64; ++c) {
+      __m512i v[8], u[8];
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) v[j] = by_row(run + 16 * (32 * c + 4 * j));
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) u[j] = low4(v[j]);
+      f(Vectors8{}, 32 * c, u, d, m);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) u[j] = high4(v[j]);
+      f(Vectors8{}, G / 2 + 32 * c, u, d, m);
+    }
+  }
+}
+
 template <class T>
 constexpr bool has_dot() { return requires { T::DOT; }; }
 
@@ -1128,12 +1197,12 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
                                                 int64_t t1, float* y, int64_t ldy) {
   constexpr int QK = T::Gguf::QK;
   constexpr int64_t TB = 16 * T::Gguf::BYTES;
-  const int64_t K = x.K, nb = K / QK;
+  const int64_t K = x.K, nb = K / QK, tile_bytes = nb * TB + (has_row_scale<T>() ? 64 : 0);  // + the rows' scales
   const int8_t* levels = x.levels.data() + r0 * 3 * K;
   const float *scales = x.scales.data() + r0 * (K / 32), *sums = x.sums.data() + r0 * (K / 16);
   const int32_t* level_sums = x.level_sums.data() + r0 * 3 * (K / 32);
   for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * nb * TB;
+    const uint8_t* tile = w + t * tile_bytes;
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -1184,6 +1253,8 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
         }
       });
     }
+    if constexpr (has_row_scale<T>())
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(acc[r], _mm512_loadu_ps(tile + nb * TB));
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + 16 * t, acc[r]);
   }
 }
@@ -1224,7 +1295,7 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
         }
       }
     return;
-  }
+  } else  // (kvgen's int8 and int4 tiles have no float32 path: the tiled branch below is not compiled for them)
 #endif
   if constexpr (tiled<T>()) {  // the tiles whose first row lies in n0..n1, in runs of RT rows of x
 #if defined(__AVX512F__)
@@ -1283,7 +1354,7 @@ std::vector<float> group_sums(const float* x, int64_t ldx, int64_t R, int64_t K)
   return xsum;
 }
 
-// format codes: GGML's type ids; kvgen's own formats above 1000; GGML types in tiles of 16 rows: 2000 + the type
+// format codes: GGML's type ids; kvgen's own formats above 1000; formats in tiles of 16 rows: 2000 + the format
 template <class F>
 void dispatch(int64_t format, F&& f) {
   switch (format) {
@@ -1307,6 +1378,12 @@ void dispatch(int64_t format, F&& f) {
     case 1032: f(I4<32>{}); break;
     case 1064: f(I4<64>{}); break;
     case 1128: f(I4<128>{}); break;
+#if defined(KVGEN_DOT8)  // kvgen's formats in tiles of 16 rows: 2000 + the format in rows
+    case 3008: f(I8x16{}); break;
+    case 3032: f(I4x16<32>{}); break;
+    case 3064: f(I4x16<64>{}); break;
+    case 3128: f(I4x16<128>{}); break;
+#endif
     default: TORCH_CHECK(false, "kvgen: no kernel for weight format ", format);
   }
 }
@@ -2653,7 +2730,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
 // the formats whose products take integer dot products on this CPU (AVX-512 VNNI), else none
 std::vector<int64_t> integer_dot_formats() {
 #if defined(KVGEN_DOT8)
-  return {2002, 2003, 2006, 2008, 2012, 2014};
+  return {2002, 2003, 2006, 2008, 2012, 2014, 3008, 3032, 3064, 3128};
 #else
   return {};
 #endif

@@ -38,20 +38,19 @@ FORMATS: dict[int, tuple[str, int, int, int]] = {
     1032: ("int4/g32", 32, 24, 0),
     1064: ("int4/g64", 64, 40, 0),
     1128: ("int4/g128", 128, 72, 0),
-    # GGUF types in tiles of 16 rows (tile_rows): 2000 + the GGML type, the same bytes in another order
-    2002: ("Q4_0", 32, 18, 0),
-    2003: ("Q4_1", 32, 20, 0),
-    2006: ("Q5_0", 32, 22, 0),
-    2008: ("Q8_0", 32, 34, 0),
-    2012: ("Q4_K", 256, 144, 0),
-    2014: ("Q6_K", 256, 210, 0),
 }
 
-#: GGML type -> bytes of its block head (float16 d, then m, Q5_0's 32-bit mask or Q4_K's dmin) for
-#: the types :func:`tile_rows` tiles (Q6_K: none, its d comes last; Q8_0 only where integer dot products run)
-TILED_HEADS: dict[int, int] = {2: 2, 3: 4, 6: 6, 8: 2, 12: 4, 14: 0}
-#: tiled formats: format -> rows per tile
+#: format in rows -> (bytes of its block head, bytes of each head field) for the formats :func:`tile_rows` tiles:
+#: GGUF types (float16 d, then m, Q5_0's 32-bit mask or Q4_K's dmin; Q6_K none, its d comes last) and kvgen's int8
+#: (no head: the 16 rows' scales follow the tile's blocks) and int4 (float32 scale and min per group)
+TILED_HEADS: dict[int, tuple[int, int]] = {2: (2, 2), 3: (4, 2), 6: (6, 2), 8: (2, 2), 12: (4, 2), 14: (0, 2),
+                                           1008: (0, 4), 1032: (8, 4), 1064: (8, 4), 1128: (8, 4)}
+#: formats whose tiles the float32 product runs too; the others are tiled only where their integer dot products
+#: run (:func:`~kvgen.kernels.integer_dot_formats`: Q8_0's float32 product streams its rows as fast as tiles)
+_FLOAT_TILES = (2, 3, 6, 12, 14)
+#: tiled formats (2000 + the format in rows, the same bytes in another order) -> rows per tile
 TILED: dict[int, int] = {2000 + t: 16 for t in TILED_HEADS}
+FORMATS.update({2000 + t: FORMATS[t] for t in TILED_HEADS})
 
 
 def row_bytes(format: int, in_features: int) -> int:
@@ -215,7 +214,15 @@ def _q6_k(format: int, blocks: torch.Tensor) -> torch.Tensor:
 
 def _tiles(format: int, data: torch.Tensor) -> bool:
     """Whether :func:`tile_rows` puts this segment in tiles."""
-    return format in TILED_HEADS and data.shape[0] % 16 == 0 and (format != 8 or 2008 in integer_dot_formats())
+    return format in TILED_HEADS and data.shape[0] % 16 == 0 and (
+        format in _FLOAT_TILES or 2000 + format in integer_dot_formats())
+
+
+def _tile_shape(format: int, data: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    """A segment's tiles, blocks a row, bytes a block, head bytes a block, bytes a head field, extra bytes a row."""
+    head, field = TILED_HEADS[format - 2000 if format in TILED else format]
+    _, _, size, extra = FORMATS[format]
+    return data.shape[0] // 16, (data.shape[1] - extra) // size, size, head, field, extra
 
 
 def tiled_sizes(weight: PackedWeight) -> list[int]:
@@ -225,12 +232,13 @@ def tiled_sizes(weight: PackedWeight) -> list[int]:
 
 def tile_rows(weight: PackedWeight, empty_like=torch.empty_like) -> PackedWeight:
     """``weight`` with its Q4_0, Q4_1, Q5_0, Q4_K and Q6_K segments (of a multiple of 16 rows) in tiles
-    of 16 rows (format 2000 + the GGML type); Q8_0 too where its tiles take integer dot products
-    (:func:`~kvgen.kernels.integer_dot_formats`: 16 rows a lane each, as the 4-6-bit tiles).
+    of 16 rows (format 2000 + the format in rows); Q8_0 and kvgen's int8 and int4 too where their tiles take
+    integer dot products (:func:`~kvgen.kernels.integer_dot_formats`: 16 rows a lane each, as the 4-6-bit tiles).
 
-    Per GGUF block of columns a tile holds the 16 rows' head fields (float16 d, then Q4_1's float16 m,
-    Q5_0's 32-bit mask of 5th bits as two 2-byte fields or Q4_K's dmin; Q6_K has none), then
-    byte j of each row's remaining block bytes for every j: the bytes of 16 GGUF blocks in another
+    Per block of columns a tile holds the 16 rows' head fields (float16 d, then Q4_1's float16 m,
+    Q5_0's 32-bit mask of 5th bits as two 2-byte fields or Q4_K's dmin; Q6_K and int8 have none; int4's
+    float32 scale and min), then byte j of each row's remaining block bytes for every j, and after the last
+    block the 16 rows' extra bytes (int8's float32 scales): the bytes of 16 rows in another
     order, so that a one-row product decodes 16 rows' values per instruction (1.3-1.8x faster). The values,
     ``dequantize`` and embedding lookups are unchanged. The tiles go where ``empty_like`` puts them
     (a :class:`~kvgen.models.weight_arena.WeightArena`'s); file-mapped sources are released once
@@ -246,15 +254,16 @@ def tile_rows(weight: PackedWeight, empty_like=torch.empty_like) -> PackedWeight
     segments, copied = [], []
     for format, data in weight.segments:
         if _tiles(format, data):
-            head, size = TILED_HEADS[format], FORMATS[format][2]
-            tiles, blocks = data.shape[0] // 16, data.shape[1] // size
-            source, out = data.reshape(tiles, 16, blocks, size), empty_like(data)
-            target = out.view(tiles, blocks, 16 * size)
+            tiles, blocks, size, head, field, extra = _tile_shape(format, data)
+            source, out = data.reshape(tiles, 16, -1), empty_like(data)
+            target = out.view(tiles, -1)
             for t0 in range(0, tiles, 64):  # 64 tiles at a time: no temporaries the size of the weight
-                t = source[t0:t0 + 64].transpose(1, 2)  # (tiles, blocks, 16 rows, block bytes)
-                heads = [t[..., f:f + 2].flatten(-2) for f in range(0, head, 2)]  # d (, m) of the 16 rows
+                rows = source[t0:t0 + 64]  # (tiles, 16 rows, row bytes)
+                t = rows[..., :blocks * size].unflatten(-1, (blocks, size)).transpose(1, 2)  # (.., blocks, 16, size)
+                heads = [t[..., f:f + field].flatten(-2) for f in range(0, head, field)]  # d (, m) of the 16 rows
                 values = t[..., head:].transpose(-1, -2).flatten(-2)  # byte j of the 16 rows, for each j
-                target[t0:t0 + 64] = torch.cat([*heads, values], dim=-1)
+                body = torch.cat([*heads, values], dim=-1).flatten(1)  # (tiles, blocks * 16 * size)
+                target[t0:t0 + 64] = torch.cat([body, rows[..., blocks * size:].flatten(1)], dim=-1)
             copied.append(data)
             format, data = 2000 + format, out
         segments.append((format, data))
@@ -277,13 +286,15 @@ def untile_rows(weight: PackedWeight) -> PackedWeight:
     segments = []
     for format, data in weight.segments:
         if format in TILED:
-            head, size = TILED_HEADS[format - 2000], FORMATS[format][2]
-            tiles, blocks = data.shape[0] // 16, data.shape[1] // size
-            t = data.view(tiles, blocks, 16 * size)
-            heads = t[..., :16 * head].unflatten(-1, (head // 2, 16, 2)).transpose(-3, -2)  # (.., 16 rows, head/2, 2)
+            tiles, blocks, size, head, field, extra = _tile_shape(format, data)
+            tile = data.view(tiles, -1)
+            t = tile[:, :blocks * 16 * size].view(tiles, blocks, 16 * size)
+            heads = t[..., :16 * head].unflatten(-1, (head // field, 16, field)).transpose(-3, -2)  # (.., 16, n, field)
             values = t[..., 16 * head:].unflatten(-1, (size - head, 16)).transpose(-1, -2)  # (.., 16 rows, bytes)
             block = torch.cat([heads.flatten(-2), values], dim=-1)  # (tiles, blocks, 16 rows, size)
-            format, data = format - 2000, block.transpose(1, 2).reshape(data.shape)
+            extras = tile[:, blocks * 16 * size:].view(tiles, 16, extra)
+            rows = torch.cat([block.transpose(1, 2).flatten(2), extras], dim=-1)  # (tiles, 16 rows, row bytes)
+            format, data = format - 2000, rows.reshape(data.shape)
         segments.append((format, data))
     return PackedWeight(segments, weight.in_features)
 
@@ -294,14 +305,15 @@ def stored_positions(format: int, data: torch.Tensor, positions: torch.Tensor) -
     weight samples the same bytes whichever layout this machine chose."""
     if format not in TILED:
         return positions
-    head, size = TILED_HEADS[format - 2000], FORMATS[format][2]
+    _, blocks, size, head, field, extra = _tile_shape(format, data)
     row, column = positions // data.shape[1], positions % data.shape[1]
-    block, field = column // size, column % size
-    tile_block = (row // 16 * (data.shape[1] // size) + block) * 16 * size  # (tile, block)'s first byte
-    lane = row % 16
-    in_head = 32 * (field // 2) + 2 * lane + field % 2  # the 16 rows' 2-byte head fields, one after the other
-    in_values = 16 * head + 16 * (field - head) + lane  # byte j of the 16 rows' other bytes
-    return tile_block + torch.where(field < head, in_head, in_values)
+    block, at = column // size, column % size
+    tile, lane = row // 16 * 16 * data.shape[1], row % 16  # the tile's first byte, the row's lane
+    in_head = 16 * field * (at // field) + field * lane + at % field  # the 16 rows' head fields, one after the other
+    in_values = 16 * head + 16 * (at - head) + lane  # byte j of the 16 rows' other bytes
+    in_blocks = block * 16 * size + torch.where(at < head, in_head, in_values)
+    in_extra = blocks * 16 * size + extra * lane + column - blocks * size  # after the blocks: the rows' extra bytes
+    return tile + torch.where(column < blocks * size, in_blocks, in_extra)
 
 
 def cat_rows(parts: list) -> torch.Tensor | PackedWeight:

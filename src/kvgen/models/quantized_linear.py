@@ -6,7 +6,7 @@ more than 8 rows: 16), each block decoded in registers and multiplied by those r
 (``d * sum(q * x) + m * sum(x)`` per group, float32 accumulation). With AVX-512 VNNI, weights of 4-6 bits
 in tiles of 16 rows take exact integer dot products of their stored values with the rows rounded to 21 bits
 and a sign per block of 32 values (at most 2^-22 of the block's largest value off): 1.4-1.8x faster per
-thread than widening every value to float32.
+thread than widening every value to float32; so do kvgen's int8 and int4 weights (quantized at load).
 Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch buffer
 reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul,
 except where the integer dot products are faster at any number of rows (:func:`any_rows_formats`).
@@ -39,8 +39,10 @@ QMATMUL_ROWS = 64 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 32
 def any_rows_formats() -> frozenset[int]:
     """Formats whose one-pass product beats dequantize + float32 matmul at any number of rows: the integer
     dot products of AVX-512 VNNI (Zen 4, 2 threads, Gemma 3's and SmolLM2's layers at 512 rows: 200-240
-    GFLOP/s against 185-198 for dequantize + oneDNN), except Q6_K's (groups of 16 values: 145)."""
-    return integer_dot_formats() - {2014}
+    GFLOP/s against 185-198 for dequantize + oneDNN), except Q6_K's (groups of 16 values: 145) and kvgen's
+    int8 and int4 tiles (a Xeon with AMX, 2 threads, 3072 x 576 at 512 rows: 263-302 against 324-358;
+    SmolLM2 in int8, prefill of 512 tokens: 858-914 tok/s against 982-1018)."""
+    return integer_dot_formats() - {2014, 3008, 3032, 3064, 3128}
 
 
 _scratch = torch.empty(0)  # float32 scratch for prefill: the largest dequantized weight so far
