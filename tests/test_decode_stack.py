@@ -387,3 +387,69 @@ def test_a_deep_copy_steps_with_its_own_weights(model, monkeypatch):
     fused, runs = decode(twin, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
     plain, _ = decode(twin, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
     assert runs == 2 and all(torch.equal(a, b) for a, b in zip(fused, plain))
+
+
+# -- float32 models: their own weights read in place as F32 rows ------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def float_model(request, tmp_path_factory):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(CONFIGS[request.param]())
+    folder = tmp_path_factory.mktemp(f"float-{request.param}")
+    hf.save_pretrained(folder)
+    return kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def test_a_float32_model_decodes_through_the_stack(float_model, monkeypatch):
+    """A float32 model's decode steps run as one op over its own weights (no copy): the bits of the per-layer fused
+    ops (eager blocks), and within float32 summation error of the compiled decode blocks (the stack off)."""
+    from kvgen.models.decode_blocks import eager_blocks
+
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    padding = torch.ones_like(ids)
+    padding[1, :3] = 0
+
+    def new_cache():
+        return kvgen.DynamicCache(config=float_model.config)
+
+    with eager_blocks():  # the final norm and lm_head too (compiled, they would round otherwise)
+        fused, runs = decode(float_model, ids, padding, new_cache(), 8, True, monkeypatch)
+        per_layer, _ = decode(float_model, ids, padding, new_cache(), 8, False, monkeypatch)
+    compiled, _ = decode(float_model, ids, padding, new_cache(), 8, False, monkeypatch)
+    assert runs == 8 and all(torch.equal(a, b) for a, b in zip(fused, per_layer))
+    # logits of a few units: float32 sums of 128-192 products in another order differ by ~1e-6 of them
+    assert max((a - b).abs().max().item() for a, b in zip(fused, compiled)) < 1e-4
+    assert float_model.model.layers[0].mlp.down_proj.weight.data_ptr() in \
+        {w.data_ptr() for w in float_model.model.layers[0].mlp.down_proj._segments}  # read in place
+
+
+def test_a_float32_weight_changed_in_place_or_set_anew_is_read_by_the_next_step(float_model, monkeypatch):
+    """The stack reads a float model's parameters where they are: an in-place change is in the next step, and
+    ``param.data = ...`` (a new storage) is seen, the weights registered anew."""
+    from kvgen.models.decode_blocks import eager_blocks
+
+    ids = torch.tensor([[5, 6, 7]])
+    padding = torch.ones_like(ids)
+    with eager_blocks():  # the stack against the per-layer fused ops, both reading the weights as they are now
+        before, _ = decode(float_model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)  # registers them
+    down = float_model.model.layers[1].mlp.down_proj
+    saved = down.weight.data
+    for change in ("in place", "set anew"):
+        try:
+            if change == "in place":
+                down.weight.data.mul_(-1)
+            else:
+                down.weight.data = torch.flip(saved, [0]).contiguous()
+            with eager_blocks():
+                fused, runs = decode(float_model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
+                plain, _ = decode(float_model, ids, padding, kvgen.DynamicCache(), 2, False, monkeypatch)
+        finally:
+            if change == "in place":
+                down.weight.data.mul_(-1)
+            else:
+                down.weight.data = saved
+        assert runs == 2 and all(torch.equal(a, b) for a, b in zip(fused, plain)), change
+        assert not torch.equal(before[-1], fused[-1]), change
+    with eager_blocks():
+        again, _ = decode(float_model, ids, padding, kvgen.DynamicCache(), 2, True, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(before, again))

@@ -305,6 +305,16 @@ struct F16 {
   }
 };
 
+// float32 rows (GGML type 0): a float model's own weights, read in place by the fused decode ops
+struct F32 {
+  static constexpr int QK = 32, BYTES = 128, GROUP = 32;
+  static constexpr bool SCALED = false, HAS_MIN = false;
+  template <class E> static void decode(const uint8_t* b, E&& emit) {
+    const vf w[2] = {loadf(reinterpret_cast<const float*>(b)), loadf(reinterpret_cast<const float*>(b + 64))};
+    emit(0, w, 2, 1.0f, 0.0f);
+  }
+};
+
 struct BF16 {
   static constexpr int QK = 32, BYTES = 64, GROUP = 32;
   static constexpr bool SCALED = false, HAS_MIN = false;
@@ -1361,6 +1371,7 @@ std::vector<float> group_sums(const float* x, int64_t ldx, int64_t R, int64_t K)
 template <class F>
 void dispatch(int64_t format, F&& f) {
   switch (format) {
+    case 0: f(F32{}); break;
     case 1: f(F16{}); break;
     case 2: f(Q4_0{}); break;
     case 3: f(Q4_1{}); break;
@@ -1391,14 +1402,23 @@ void dispatch(int64_t format, F&& f) {
   }
 }
 
-void check_weight(const at::Tensor& w, int64_t K, int64_t QK, int64_t BYTES, bool row_scale, int64_t tile = 1) {
+// F32 rows may also be a float32 (N, K) tensor (a float model's own weight, read in place), whose bytes they are
+template <class T>
+void check_weight(const at::Tensor& w, int64_t K) {
+  constexpr int64_t tile = tile_rows<T>();
   TORCH_CHECK(tile == 1 || (w.size(0) % tile == 0 && w.is_contiguous()), "kvgen: a weight in tiles of ", tile,
               " rows must be contiguous with a multiple of ", tile, " rows");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1, "kvgen: weight must be 2-D uint8 rows");
-  TORCH_CHECK(K % QK == 0, "kvgen: input features ", K, " are not a multiple of the block size ", QK);
-  TORCH_CHECK(w.size(1) == K / QK * BYTES + (row_scale ? 4 : 0), "kvgen: weight rows hold ", w.size(1),
-              " bytes, not what ", K, " input features need");
+  const bool floats = std::is_same_v<T, F32> && w.scalar_type() == at::kFloat;
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kByte || floats) && w.stride(1) == 1,
+              "kvgen: weight must be 2-D uint8 rows", std::is_same_v<T, F32> ? " or float32 rows" : "");
+  TORCH_CHECK(K % T::QK == 0, "kvgen: input features ", K, " are not a multiple of the block size ", T::QK);
+  TORCH_CHECK(w.size(1) * w.element_size() == K / T::QK * T::BYTES + (has_row_scale<T>() ? 4 : 0),
+              "kvgen: weight rows hold ", w.size(1) * w.element_size(), " bytes, not what ", K, " input features need");
 }
+
+// a checked weight's rows as bytes: the first row, and the bytes from one row to the next
+inline const uint8_t* weight_bytes(const at::Tensor& w) { return static_cast<const uint8_t*>(w.const_data_ptr()); }
+inline int64_t row_stride(const at::Tensor& w) { return w.stride(0) * w.element_size(); }
 
 // A product's weight: its row segments ws[i] (each in formats[i]) checked and taken apart once, so
 // that a registered decode stack (kvgen::decoder_stack) does not redo it at every step.
@@ -1418,11 +1438,11 @@ Product make_product(at::TensorList ws, at::IntArrayRef formats, int64_t K) {
   for (size_t i = 0; i < ws.size(); ++i) {
     dispatch(formats[i], [&](auto t) {
       using T = decltype(t);
-      check_weight(ws[i], K, T::QK, T::BYTES, has_row_scale<T>(), tile_rows<T>());
+      check_weight<T>(ws[i], K);
       p.rounded |= has_dot<T>();
       p.biased |= requires { T::BIAS; };
     });
-    p.segments.push_back({formats[i], p.N, ws[i].size(0), ws[i].stride(0), ws[i].data_ptr<uint8_t>()});
+    p.segments.push_back({formats[i], p.N, ws[i].size(0), row_stride(ws[i]), weight_bytes(ws[i])});
     p.held.push_back(ws[i]);
     p.N += ws[i].size(0);
   }
@@ -1490,10 +1510,10 @@ void dequantize_(at::Tensor out, const at::Tensor& w, int64_t format) {
   const int64_t K = out.size(1);
   dispatch(format, [&](auto t) {
     using T = decltype(t);
-    check_weight(w, K, T::QK, T::BYTES, has_row_scale<T>(), tile_rows<T>());
-    const uint8_t* wp = w.data_ptr<uint8_t>();
+    check_weight<T>(w, K);
+    const uint8_t* wp = weight_bytes(w);
     float* op = out.data_ptr<float>();
-    const int64_t rb = w.stride(0), ld = out.stride(0);
+    const int64_t rb = row_stride(w), ld = out.stride(0);
     at::parallel_for(0, w.size(0), 16, [&](int64_t n0, int64_t n1) { dequantize_rows<T>(wp, rb, n0, n1, K, op, ld); });
   });
 }
@@ -1513,9 +1533,9 @@ at::Tensor embedding(const at::Tensor& w, const at::Tensor& ids, int64_t K, int6
   float* op = out.data_ptr<float>();
   dispatch(format, [&](auto t) {
     using T = decltype(t);
-    check_weight(w, K, T::QK, T::BYTES, has_row_scale<T>(), tile_rows<T>());
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    const int64_t rb = w.stride(0);
+    check_weight<T>(w, K);
+    const uint8_t* wp = weight_bytes(w);
+    const int64_t rb = row_stride(w);
     at::parallel_for(0, n, 8, [&](int64_t i0, int64_t i1) {
       std::vector<float> tile(tiled<T>() ? 16 * K : 0);
       for (int64_t i = i0; i < i1; ++i) {

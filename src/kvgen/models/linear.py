@@ -74,6 +74,26 @@ class Linear(nn.Linear):
         self._onednn = None
         return 0
 
+    # The fused C++ decode ops (kvgen.models.native, kvgen.models.decode_stack) read a float32 CPU weight in place as
+    # rows of kvgen's F32 format, through the attributes a QuantizedLinear gives them (formats, _segments,
+    # takes_qmatmul). SmolLM2 in float32, 2 threads, decode steps as one op instead of compiled blocks: 19-20 ->
+    # 37 tok/s on a Xeon with AMX (the compiled products streamed 11 GB/s of the 30 its memory gives).
+    formats = (0,)  # GGML's F32
+
+    @property
+    def _segments(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def takes_qmatmul(self, rows: int) -> bool:
+        """Whether the fused ops take ``rows`` rows: as many as a compiled block (oneDNN is faster beyond)."""
+        return rows <= MAX_ROWS
+
+    def runs_fused(self) -> bool:
+        """Whether the fused decode ops can read this layer (float32 rows on the CPU, no bias)."""
+        w = self.weight
+        return (self.bias is None and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+                and w.stride(1) == 1 and w.shape[1] % 32 == 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if (rows > MAX_ROWS or x.device.type != "cpu" or self.weight.dtype != torch.float32

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from kvgen.kernels import kernels_available
 from kvgen.models.decode_blocks import MAX_ROWS
+from kvgen.models.linear import Linear
 from kvgen.models.quantized_linear import QuantizedLinear
 
 #: above ``MAX_ROWS`` query rows, the C++ attention runs where at most this fraction of the mask's
@@ -129,7 +130,7 @@ def _fraction_of(mask: torch.Tensor) -> float:
 
 
 def _packed(layer: torch.nn.Module) -> bool:
-    return type(layer) is QuantizedLinear and layer.bias is None
+    return (type(layer) is QuantizedLinear and layer.bias is None) or (type(layer) is Linear and layer.runs_fused())
 
 
 def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
