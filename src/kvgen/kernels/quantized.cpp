@@ -58,8 +58,9 @@ constexpr int64_t PREFETCH = 4096;
 // memory's rate and a software prefetch 8 kB ahead into L2 fills the gap: the decode step 1.3-1.7x faster
 // (a Xeon with AMX and 480 MB of L3, 1 and 2 threads; 4-16 kB alike, 2 kB less), Gemma 3's 178 MB Q8_0 lm_head at 17.8 GB/s
 // on 1 thread against 11.3 without (torch's sum: 12.3). On Zen 4 the same prefetch slowed it (21 -> 16-19 GB/s).
-// The same for rows of blocks without a float16 head (BF16, F16; int8 and int4 where they are not tiled): SmolLM2's
-// bfloat16 decode step 1.1x faster on that Xeon (2 threads 15.5 -> 13.7 ms, 1 thread 30.5 -> 27.8; 4 kB: 1.0x)
+// The same for rows of blocks without a float16 head (F32, BF16, F16; int8 and int4 where they are not tiled):
+// SmolLM2's bfloat16 decode step 1.1x faster on that Xeon (2 threads 15.5 -> 13.7 ms, 1 thread 30.5 -> 27.8; 4 kB:
+// 1.0x)
 const bool PREFETCH_TILES = [] {
   __builtin_cpu_init();
   return __builtin_cpu_is("intel");
