@@ -48,6 +48,14 @@ class LayerParts(NamedTuple):
     post_feedforward: torch.nn.Module | None = None
 
 
+def fuses(parts: LayerParts) -> bool:
+    """Whether kvgen's fused C++ ops compute this layer's decode step (its weights' side of it: packed or float32
+    weights on the CPU, see :func:`~kvgen.models.native.attention_inputs_fuse`)."""
+    attn = parts.attn
+    return (attention_inputs_fuse(parts.input_norm, attn.qkv_proj, attn.head_dim, attn.num_heads, attn.num_kv_heads)
+            and mlp_fuses(attn.o_proj, parts.pre_feedforward, parts.mlp))
+
+
 _changes = [0]  # changes made to any watched dict so far
 
 
@@ -170,9 +178,7 @@ class DecodeStack:
         for p in parts:
             a = p.attn
             if ((a.num_heads, a.num_kv_heads, a.head_dim) != (heads, kv_heads, head_dim)
-                    or p.mlp.act_name != parts[0].mlp.act_name
-                    or not attention_inputs_fuse(p.input_norm, a.qkv_proj, head_dim, heads, kv_heads)
-                    or not mlp_fuses(a.o_proj, p.pre_feedforward, p.mlp)):
+                    or p.mlp.act_name != parts[0].mlp.act_name or not fuses(p)):
                 return None
         head_norms = [n for p in parts for n in (p.attn.q_norm, p.attn.k_norm) if n is not None]
         if any((n.eps, n.offset) != (eps, offset) for n in norms) or \

@@ -27,7 +27,7 @@ from kvgen.config import GEMMA3_TYPES
 from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
-from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts
+from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts, fuses
 from kvgen.models.linear import Linear
 from kvgen.models.llama import LlamaForCausalLM, attention_inputs, gated_mlp
 from kvgen.outputs import CausalLMOutputWithPast
@@ -164,6 +164,10 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(config)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
+    def runs_fused(self) -> bool:
+        """Whether kvgen's fused C++ ops compute this layer's decode steps (then its blocks run eagerly)."""
+        return fuses(layer_parts(self))
+
     def forward(self, x, cos, sin, masks, cache, cache_kwargs):
         q, k, v = _attention_inputs(self, x, cos, sin)
         return _finish_layer(self, x, self.self_attn.attend(q, k, v, masks, cache, cache_kwargs))
@@ -239,6 +243,12 @@ class GemmaForCausalLM(PreTrainedModel):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_stack = DecodeStack(layer_parts)
         self.tie_weights()
+
+    def runs_fused(self) -> bool:
+        """Whether the head block (final norm, lm_head) runs eagerly: where the layers' fused C++ ops run, a float32
+        lm_head is as fast through oneDNN as compiled, and compiling it would cost seconds of tracing."""
+        check = getattr(self.lm_head, "runs_fused", None)
+        return check is not None and check() and self.model.layers[0].runs_fused()
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:

@@ -18,7 +18,7 @@ from torch import nn
 from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
-from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts
+from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts, fuses
 from kvgen.models.linear import Linear
 from kvgen.models.packed import cat_rows
 from kvgen.outputs import CausalLMOutputWithPast
@@ -124,6 +124,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
+    def runs_fused(self) -> bool:
+        """Whether kvgen's fused C++ ops compute this layer's decode steps (then its blocks run eagerly)."""
+        return fuses(layer_parts(self))
+
     def forward(self, x, cos, sin, masks, cache, cache_kwargs):
         q, k, v = _attention_inputs(self, x, cos, sin)
         return _finish_layer(self, x, self.self_attn.attend(q, k, v, masks, cache, cache_kwargs))
@@ -190,6 +194,12 @@ class LlamaForCausalLM(PreTrainedModel):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.decode_stack = DecodeStack(layer_parts)
         self.tie_weights()
+
+    def runs_fused(self) -> bool:
+        """Whether the head block (final norm, lm_head) runs eagerly: where the layers' fused C++ ops run, a float32
+        lm_head is as fast through oneDNN as compiled, and compiling it would cost seconds of tracing."""
+        check = getattr(self.lm_head, "runs_fused", None)
+        return check is not None and check() and self.model.layers[0].runs_fused()
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
