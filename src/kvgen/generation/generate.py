@@ -346,11 +346,8 @@ class GenerationMixin:
             return uncached
 
         # eager where shapes vary, under disable_compile (eager_blocks()), and on stored-precision weights, whose C++
-        # products compiling cannot speed up (run_blocks_eagerly): compiling their static step took ~10 s a process.
-        # Likewise where the fused C++ ops compute a float32 model's layers on the CPU (runs_fused): SmolLM2, static
-        # cache, 2 threads, Xeon: 28 tok/s eagerly against 21-26 compiled
-        fused = self.device.type == "cpu" and getattr(self, "runs_fused", lambda: False)()
-        if not cache.is_compileable or not blocks_compiled() or not getattr(self, "compile_decode", True) or fused:
+        # products compiling cannot speed up (run_blocks_eagerly): compiling their static step took ~10 s a process
+        if not cache.is_compileable or not blocks_compiled() or not getattr(self, "compile_decode", True):
             def eager(input_ids, attention_mask, position_ids):
                 t = input_ids.shape[1] - 1
                 return self(input_ids[:, -1:], attention_mask=attention_mask, position_ids=position_ids[:, -1:],
