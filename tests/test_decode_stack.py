@@ -80,7 +80,7 @@ def decode(model, ids, padding, cache, steps, fused: bool, monkeypatch):
     return logits, sum(r is not None for r in stack_runs)
 
 
-@pytest.mark.parametrize("cache_kind", ["dynamic", "dynamic_windowed", "padded"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "dynamic_windowed", "padded", "static"])
 def test_the_stack_gives_the_per_layer_bits(model, cache_kind, monkeypatch):
     """Logits and stored keys/values equal to the per-layer path, past the sliding window (prompt 9, 12 steps)."""
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -91,6 +91,8 @@ def test_the_stack_gives_the_per_layer_bits(model, cache_kind, monkeypatch):
         ids, padding = ids[:1], padding[:1]
 
     def new_cache():
+        if cache_kind == "static":
+            return kvgen.StaticCache(config=model.config, max_cache_len=24)
         return kvgen.DynamicCache(config=model.config) if cache_kind == "dynamic_windowed" else kvgen.DynamicCache()
 
     caches = new_cache(), new_cache()
@@ -154,6 +156,25 @@ def test_a_prefill_through_the_fused_ops_gives_the_module_bits(model, monkeypatc
     modules = prefill_with(model, ids, padding, False, monkeypatch)
     assert fused[2] == 2 * model.config.num_hidden_layers and modules[2] == 0
     assert torch.equal(fused[0], modules[0]) and torch.equal(fused[1], modules[1])
+
+
+def test_a_static_cache_written_elsewhere_than_after_its_filled_slots_takes_the_per_layer_path(model, monkeypatch):
+    """A static cache's slot i holds position i, and a step may write anywhere (here past a gap): the stack reserves
+    only the slots after the filled ones, so such a step runs layer by layer, with the same bits."""
+    ids = torch.tensor([[5, 6, 7]])
+    logits = []
+    for fused in (True, False):
+        cache = kvgen.StaticCache(config=model.config, max_cache_len=16)
+        runs = []
+        with monkeypatch.context() as m:
+            run = model.decode_stack.run
+            m.setattr(model.decode_stack, "run", lambda *a, _f=fused: runs.append(run(*a) if _f else None) or runs[-1])
+            with torch.no_grad():
+                model(ids, past_key_values=cache)
+                logits.append(model(ids[:, :1], past_key_values=cache, cache_position=torch.tensor([5])).logits)
+                assert cache.get_seq_length() == 6
+        assert sum(r is not None for r in runs) == 0
+    assert torch.equal(*logits)
 
 
 def test_a_replaced_weight_is_read_by_the_next_step(model, monkeypatch):
@@ -327,10 +348,17 @@ def test_reserve_returns_what_update_returns_once_written():
 
 def test_a_cache_reserves_for_all_layers_or_none():
     k = torch.randn(1, 2, 3, 8)
-    cache = Cache(layers=[DynamicLayer(), StaticLayer(max_cache_len=8)])
+    cache = Cache(layers=[DynamicLayer(), kvgen.SlidingWindowLayer(sliding_window=4, max_cache_len=8)])
     cache.update(k, k, 0, {"cache_position": torch.arange(3)})
-    assert cache.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2) is None  # a static layer writes at positions
+    assert not cache.reserves()
+    assert cache.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2) is None  # a ring layer stores only through update
     assert cache.layers[0].get_seq_length() == 3  # and nothing was reserved
+    static = Cache(layers=[StaticLayer(max_cache_len=4), StaticLayer(max_cache_len=8)])
+    for i in range(2):
+        static.update(k, k, i, {"cache_position": torch.arange(3)})
+    assert static.reserves() and static.reserve([k] * 2, [k] * 2) is None  # 6 slots do not fit the first layer
+    assert [layer.get_seq_length() for layer in static.layers] == [3, 3]  # the second's reservation undone
+    assert static.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2) is not None and static.get_seq_length() == 4
     both = kvgen.DynamicCache()
     reserved = both.reserve([k] * 2, [k] * 2)
     assert [(keys.shape[:2], keys.shape[3], end - start) for keys, _, start, end in reserved] == [((1, 2), 8, 3)] * 2
@@ -458,10 +486,10 @@ def test_a_float32_weight_changed_in_place_or_set_anew_is_read_by_the_next_step(
 
 
 def test_a_fused_float32_model_compiles_no_block(float_model):
-    """Where the fused C++ ops compute a float32 model's layers, its decode blocks (a short prefill, static-cache
-    steps outside generate, the head) run eagerly, as under eager_blocks(): compiling them added only tracing (SmolLM2
-    in float32, a fresh process's first 30 tokens: 17.3 s with a cold compile cache, 0.84 s now). generate()'s
-    static-cache step still compiles the whole forward (on the Xeon 25.3-25.6 tok/s against 22.4-23.9 eagerly)."""
+    """Where the fused C++ ops compute a float32 model's layers, its decode blocks (a short prefill, the head) run
+    eagerly, as under eager_blocks(), and generate()'s static-cache steps run the stack op rather than a compiled
+    forward: compiling added only tracing (SmolLM2 in float32, a fresh process's first 30 tokens: 17.3 s with a cold
+    compile cache, 0.84 s now; generate()'s static steps on the Xeon 39.9-40.4 tok/s against 27.1-27.8 compiled)."""
     from torch._dynamo.utils import counters
 
     from kvgen.models.decode_blocks import eager_blocks
@@ -478,10 +506,14 @@ def test_a_fused_float32_model_compiles_no_block(float_model):
                                           cache_position=torch.tensor([t])).logits[:, -1])
         return torch.stack(logits)
 
+    def generated():
+        return [float_model.generate(ids, max_new_tokens=6, do_sample=False, cache_implementation=kind)
+                for kind in (None, "static")]
+
     torch._dynamo.reset()
     counters.clear()
-    got = float_model.generate(ids, max_new_tokens=6, do_sample=False), static_steps()
-    assert counters["stats"]["unique_graphs"] == 0
+    got = generated(), static_steps()
+    assert counters["stats"]["unique_graphs"] == 0 and getattr(float_model, "_compiled_forward", None) is None
     with eager_blocks():
-        assert torch.equal(got[0], float_model.generate(ids, max_new_tokens=6, do_sample=False))
+        assert all(torch.equal(a, b) for a, b in zip(got[0], generated()))
         assert torch.equal(got[1], static_steps())

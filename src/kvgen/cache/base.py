@@ -219,6 +219,10 @@ class Cache:
         """:meth:`CacheLayer.key_range` of layer ``layer_idx``."""
         return self.layer(layer_idx).key_range(cache_position)
 
+    def reserves(self) -> bool:
+        """Whether every layer this cache holds can :meth:`reserve` (a static cache's from the start)."""
+        return bool(self.layers) and all(type(layer).reserve is not CacheLayer.reserve for layer in self.layers)
+
     def reserve(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[tuple] | None:
         """:meth:`CacheLayer.reserve` of layers 0 .. len(keys) - 1 for the new ``keys[i]``/``values[i]``
         (B, Hkv, T, D): per layer, ``(keys, values, start, end)``, the buffers to write the new tokens into (the
@@ -228,7 +232,13 @@ class Cache:
         layers = self.layers[:n] if len(self.layers) >= n else [self.layer(i) for i in range(n)]
         if any(kind.reserve is CacheLayer.reserve for kind in set(map(type, layers))):
             return None
-        return [layer.reserve(k, v) for layer, k, v in zip(layers, keys, values)]
+        lengths = [layer.get_seq_length() for layer in layers]
+        reserved = [layer.reserve(k, v) for layer, k, v in zip(layers, keys, values)]
+        if any(r is None for r in reserved):  # a layer declined (a static layer without room): the others undone
+            for layer, length in zip(layers, lengths):
+                layer.crop(length)
+            return None
+        return reserved
 
     def read_ssm_states(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``(conv_state, ssm_state)`` of state-space (Mamba) layer ``layer_idx``; ``(None, None)`` when it is empty."""

@@ -249,6 +249,8 @@ class DecodeStack:
             return None
         new = x.new_empty(()).expand(b, plan.kv_heads, t, plan.head_dim)  # the shape of each layer's new keys
         length = cache.get_seq_length()
+        if int(masks.cache_position.reshape(-1)[0]) != length:  # reserved slots follow the filled ones (a static
+            return None  # cache may be written anywhere; a dynamic one is checked to be written there)
         try:
             reserved = cache.reserve([new] * count, [new] * count)
             if reserved is None:
