@@ -232,11 +232,11 @@ class Cache:
         layers = self.layers[:n] if len(self.layers) >= n else [self.layer(i) for i in range(n)]
         if any(kind.reserve is CacheLayer.reserve for kind in set(map(type, layers))):
             return None
-        lengths = [layer.get_seq_length() for layer in layers]
         reserved = [layer.reserve(k, v) for layer, k, v in zip(layers, keys, values)]
         if any(r is None for r in reserved):  # a layer declined (a static layer without room): the others undone
-            for layer, length in zip(layers, lengths):
-                layer.crop(length)
+            for layer, k, r in zip(layers, keys, reserved):
+                if r is not None:
+                    layer.crop(layer.get_seq_length() - k.shape[2])
             return None
         return reserved
 

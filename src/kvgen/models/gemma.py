@@ -244,11 +244,7 @@ class GemmaForCausalLM(PreTrainedModel):
         self.decode_stack = DecodeStack(layer_parts)
         self.tie_weights()
 
-    def runs_fused(self) -> bool:
-        """Whether the head block (final norm, lm_head) runs eagerly: where the layers' fused C++ ops run, a float32
-        lm_head is as fast through oneDNN as compiled, and compiling it would cost seconds of tracing."""
-        check = getattr(self.lm_head, "runs_fused", None)
-        return check is not None and check() and self.model.layers[0].runs_fused()
+    runs_fused = LlamaForCausalLM.runs_fused
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
