@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import mmap
+import os
 from pathlib import Path
 
 import gguf
@@ -306,6 +307,42 @@ def test_embedding_rows_of_tiled_and_untiled_tables(qtype):
         rows = QuantizedEmbedding(weight)(ids)
         assert rows.shape == (2, 4, 256)
         assert torch.equal(rows, weight.dequantize()[ids])
+
+
+DOT_WEIGHTS = {**{q.name: q for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)}, **LOAD_TIME}
+
+
+def _amx_cpu() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return " amx_int8" in flags and " amx_tile" in flags and " avx512_vnni" in flags
+
+
+@pytest.mark.parametrize("name", DOT_WEIGHTS)
+def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
+    """Products of 16 input rows or more (prefill) take AMX's tile products where the CPU has them: 16 input rows by 16
+    weight rows per instruction, the same exact integer sums as the vpdpbusd products of 1-8 rows, combined by the
+    same code (add_group). So a 35-row product (two tiles of 16 rows and 3 more) equals its rows taken 8 at a time,
+    bit for bit, by construction; on CPUs without AMX, the 16-row vpdpbusd products equal the 8-row ones the same
+    way. On a CPU with AMX, Linux's permission must have been granted (else every prefill silently runs ~1.3x
+    slower)."""
+    from kvgen.kernels import tile_products
+
+    if _amx_cpu() and kernels_available() and os.environ.get("KVGEN_DISABLE_AMX", "") in ("", "0"):
+        assert tile_products(), "this CPU has AMX but kvgen's kernels did not get (or were built without) it"
+    qtype = DOT_WEIGHTS[name]
+    if isinstance(qtype, Q):
+        rows = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(random_raw(qtype, 64, 512))))], 512)
+    else:
+        rows = qtype(torch.randn(64, 512, generator=torch.Generator().manual_seed(3)))
+    ((format, data),) = tile_rows(rows).segments
+    if format not in integer_dot_formats():
+        pytest.skip("no integer dot products on this CPU (AVX-512 VNNI): products in float32, tested above")
+    x = torch.randn(35, 512, generator=torch.Generator().manual_seed(4)) * 3
+    many = torch.ops.kvgen.qmatmul(x, [data], [format])
+    few = torch.cat([torch.ops.kvgen.qmatmul(x[i:i + 8].contiguous(), [data], [format]) for i in range(0, 35, 8)])
+    assert torch.equal(many, few)
+    reference = x.double() @ rows.dequantize().double().T
+    assert ((many.double() - reference).abs() <= 1e-5 * (x.double().abs() @ rows.dequantize().double().abs().T)).all()
 
 
 # -- whole models ------------------------------------------------------------------------------------------

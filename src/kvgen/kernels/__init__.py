@@ -99,3 +99,10 @@ def unavailable_reason() -> str | None:
 def integer_dot_formats() -> frozenset[int]:
     """Weight formats whose products take integer dot products on this CPU (AVX-512 VNNI); empty elsewhere."""
     return frozenset(torch.ops.kvgen.integer_dot_formats()) if kernels_available() else frozenset()
+
+
+@functools.cache
+def tile_products() -> bool:
+    """Whether products of 16 rows or more in the integer dot formats take AMX's tile products (Intel's AMX, Linux's
+    permission; ``KVGEN_DISABLE_AMX=1`` turns them off): the same sums, 16 input rows by 16 weight rows at a time."""
+    return kernels_available() and torch.ops.kvgen.tile_products()

@@ -12,13 +12,16 @@
 // the float32 dot product up to rounding order. Q4_0, Q4_1, Q5_0, Q4_K and Q6_K weights (and Q8_0 and
 // kvgen's int8 and int4 where integer dot products run) in tiles of 16 rows (formats 2000 + the format)
 // put 16 rows' values in the lanes instead (matmul_tiles); with AVX-512 VNNI they take integer dot products
-// of their stored values with x rounded to 21 bits per block of 32 (matmul_tiles_dot). The decoder ops at the end
-// run a decode step's layer around these products.
+// of their stored values with x rounded to 21 bits per block of 32 (matmul_tiles_dot); with AMX, products of 16 rows
+// or more take the same sums 16 x 16 at a time (matmul_tiles_amx). The decoder ops at the end run a decode step's
+// layer around these products.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,6 +31,7 @@
 #include <tuple>
 #include <omp.h>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -422,6 +426,7 @@ struct Q6_Kx16 : Tiled<Q6_K, 0> {
   template <int CH> static constexpr int SLOTS = 4 * std::max(1, CH / 4);  // four groups open at a time
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  static constexpr int DOT_VECTORS = 4;  // groups of 16 values
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
   // dot_groups reads a 3360-byte tile block end first (scales, d), then three interleaved runs: the
   // hardware's prefetchers lag, and a one-row product from memory ran at half its speed from cache
@@ -954,18 +959,52 @@ __attribute__((noinline)) void matmul_tiles(const float* x, int64_t ldx, const f
 // max|x| / 2^22 per block (float32 itself rounds at 2^-24 of each value).
 constexpr float XQ_MAX = 127.0f * 16384.0f;
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define KVGEN_AMX 1
+// whether this process may use the tile registers (Linux hands them out on request: ARCH_REQ_XCOMP_PERM);
+// KVGEN_DISABLE_AMX=1 keeps the vpdpbusd products
+bool amx_permitted() {
+  static const bool permitted = [] {
+    const char* off = std::getenv("KVGEN_DISABLE_AMX");
+    if (off != nullptr && *off != '\0' && std::strcmp(off, "0") != 0) return false;
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return permitted;
+}
+
+// the input rows that take AMX's tile products: all but R % 16 (none of fewer than 16)
+int64_t amx_rows(int64_t R) { return R >= 16 && amx_permitted() ? R / 16 * 16 : 0; }
+#else
+int64_t amx_rows(int64_t) { return 0; }
+#endif
+
 // the input rows, rounded: levels (R, 3, K) int8, scales (R, K / 32), sums of x~ per 16 values (R, K / 16),
 // sums of each level per 32 values (R, 3, K / 32; only where asked: Q8_0's bias needs them)
-struct RoundedX {
-  int64_t K;
-  std::vector<int8_t> levels;
-  std::vector<float> scales, sums;
-  std::vector<int32_t> level_sums;
+// and, for AMX's tile loads (tile_rows > 0), the levels of the first tile_rows rows (a multiple of 16) again, a
+// tile's operand at a time: (tile_rows / 16, K / 32, 3, 16, 32), 16 rows by 32 values of one level in 512
+// contiguous bytes (strided loads of (R, 3, K) took as long as the tile products)
+// (buffers left uninitialised where round_x writes every element: zeroing a 512-row prefill's levels took as long
+// as rounding them)
+template <class V>
+struct Written {
+  std::unique_ptr<V[]> values;
+  explicit Written(int64_t n = 0) : values(new V[n]) {}
+  V* data() const { return values.get(); }
+  V& operator[](int64_t i) const { return values[i]; }
 };
 
-RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K, bool with_level_sums) {
-  RoundedX out{K, std::vector<int8_t>(R * 3 * K), std::vector<float>(R * (K / 32)), std::vector<float>(R * (K / 16)),
-               std::vector<int32_t>(with_level_sums ? R * 3 * (K / 32) : 0)};
+struct RoundedX {
+  int64_t K;
+  Written<int8_t> levels;
+  Written<float> scales, sums;
+  std::vector<int32_t> level_sums;
+  Written<int8_t> tiles;
+};
+
+RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K, bool with_level_sums, int64_t tile_rows) {
+  RoundedX out{K, Written<int8_t>(R * 3 * K), Written<float>(R * (K / 32)), Written<float>(R * (K / 16)),
+               std::vector<int32_t>(with_level_sums ? R * 3 * (K / 32) : 0), Written<int8_t>(tile_rows * 3 * K)};
   const __m512i c64 = _mm512_set1_epi32(64), c127 = _mm512_set1_epi32(127);
   // rows in parallel (a prefill's 512 rows of 2048 values took ~0.5 ms: ~3% of a two-thread prefill, serial)
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
@@ -988,6 +1027,10 @@ RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K, bool with_le
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(x1));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + K), _mm512_cvtepi32_epi8(x2));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 2 * K), _mm512_cvtepi32_epi8(x3));
+          if (r < tile_rows) {
+            int8_t* o = out.tiles.data() + ((r / 16 * (K / 32) + b) * 3 * 16 + r % 16) * 32 + 16 * h;
+            for (int l = 0; l < 3; ++l) std::memcpy(o + l * 512, q + l * K, 16);
+          }
           out.sums[r * (K / 16) + k / 16] = s * (float)_mm512_reduce_add_epi32(X);
           const __m512i x[3] = {x1, x2, x3};
           for (int l = 0; level_sums && l < 3; ++l) level_sums[l * (K / 32)] += _mm512_reduce_add_epi32(x[l]);
@@ -1205,6 +1248,38 @@ constexpr int dot_bias() {
   return 0;
 }
 
+// acc (lane i: weight row i) plus one input row's share of a group of 4 N values from k on: d * s * sum(u * X)
+// + m * sum(x~), from the exact sums of u with the row's three levels (dot), less BIAS * each level's sum where
+// UNBIAS (matmul_tiles_amx takes signed values instead: the same sums), combined and rounded once
+// (matmul_tiles_dot and matmul_tiles_amx: the same bits). The formats with a bias have no min (m = 0), kvgen's
+// int8 no d either (1: its rows' scales multiply the finished sums)
+template <class T, int N, bool UNBIAS>
+inline __m512 add_group(__m512 acc, const __m512i (&dot)[3], __m512 d, __m512 m, const RoundedX& x, int64_t r,
+                        int64_t k) {
+  const int64_t K = x.K;
+  __m512i level[3] = {dot[0], dot[1], dot[2]};
+  if constexpr (UNBIAS && dot_bias<T>() != 0)
+    for (int l = 0; l < 3; ++l)
+      level[l] = _mm512_sub_epi32(level[l], _mm512_set1_epi32(dot_bias<T>() * x.level_sums[(r * 3 + l) * (K / 32) + k / 32]));
+  __m512 sum;  // sum(u * X) = level 0 * 2^14 + level 1 * 2^7 + level 2, rounded once to float32
+  if constexpr (dot_bias<T>() == 0) {  // in int32: |X| <= XQ_MAX and u < 32 (32 values) or 64 (16)
+    // (conversions and multiply-adds share the multiply pipes with vpdpbusd: 512-row products 5-13% faster)
+    sum = _mm512_cvtepi32_ps(
+        _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(level[0], 14), _mm512_slli_epi32(level[1], 7)), level[2]));
+  } else {  // Q8_0's values + 128 reach 32 * 255 * XQ_MAX: in float32 (the inner sum is exact)
+    sum = _mm512_cvtepi32_ps(level[2]);
+    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(level[1]), _mm512_set1_ps(128.0f), sum);
+    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(level[0]), _mm512_set1_ps(16384.0f), sum);
+  }
+  const __m512 s = _mm512_set1_ps(x.scales[r * (K / 32) + k / 32]);
+  if constexpr (has_row_scale<T>()) return _mm512_fmadd_ps(s, sum, acc);
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, s), sum, acc);
+  if constexpr (dot_bias<T>() != 0) return acc;
+  float xs = x.sums[r * (K / 16) + k / 16];
+  if constexpr (N == 8) xs += x.sums[r * (K / 16) + k / 16 + 1];
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(xs), acc);
+}
+
 // y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input (R <= 16)
 template <class T, int R>
 __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
@@ -1213,8 +1288,6 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
   constexpr int64_t TB = 16 * T::Gguf::BYTES;
   const int64_t K = x.K, nb = K / QK, tile_bytes = nb * TB + (has_row_scale<T>() ? 64 : 0);  // + the rows' scales
   const int8_t* levels = x.levels.data() + r0 * 3 * K;
-  const float *scales = x.scales.data() + r0 * (K / 32), *sums = x.sums.data() + r0 * (K / 16);
-  const int32_t* level_sums = x.level_sums.data() + r0 * 3 * (K / 32);
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * tile_bytes;
     __m512 acc[R];
@@ -1244,26 +1317,8 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
             dpbusd_broadcast(j % 2 ? d11 : d10, u[j], q + K + 4 * j);
             dpbusd_broadcast(j % 2 ? d21 : d20, u[j], q + 2 * K + 4 * j);
           }
-          __m512i dot[3][2] = {{d00, d01}, {d10, d11}, {d20, d21}};
-          if constexpr (dot_bias<T>() != 0)
-            for (int l = 0; l < 3; ++l)
-              dot[l][1] = _mm512_sub_epi32(
-                  dot[l][1], _mm512_set1_epi32(dot_bias<T>() * level_sums[(r * 3 + l) * (K / 32) + k / 32]));
-          const auto level = [&](int l) { return _mm512_add_epi32(dot[l][0], dot[l][1]); };
-          __m512 sum;  // sum(u * X) = level 0 * 2^14 + level 1 * 2^7 + level 2, rounded once to float32
-          if constexpr (dot_bias<T>() == 0) {  // in int32: |X| <= XQ_MAX and u < 32 (32 values) or 64 (16)
-            // (conversions and multiply-adds share the multiply pipes with vpdpbusd: 512-row products 5-13% faster)
-            sum = _mm512_cvtepi32_ps(_mm512_add_epi32(
-                _mm512_add_epi32(_mm512_slli_epi32(level(0), 14), _mm512_slli_epi32(level(1), 7)), level(2)));
-          } else {  // Q8_0's values + 128 reach 32 * 255 * XQ_MAX: in float32 (the inner sum is exact)
-            sum = _mm512_cvtepi32_ps(level(2));
-            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(level(1)), _mm512_set1_ps(128.0f), sum);
-            sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(level(0)), _mm512_set1_ps(16384.0f), sum);
-          }
-          float xs = sums[r * (K / 16) + k / 16];
-          if constexpr (N == 8) xs += sums[r * (K / 16) + k / 16 + 1];
-          acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scales[r * (K / 32) + k / 32])), sum, acc[r]);
-          acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs), acc[r]);
+          const __m512i dot[3] = {_mm512_add_epi32(d00, d01), _mm512_add_epi32(d10, d11), _mm512_add_epi32(d20, d21)};
+          acc[r] = add_group<T, N, true>(acc[r], dot, d, m, x, r0 + r, k);
         }
       });
     }
@@ -1272,6 +1327,128 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy + 16 * t, acc[r]);
   }
 }
+#if defined(KVGEN_AMX)
+// ---- The same integer sums on AMX (Intel's tile unit): one tdpbsud takes a group's values of 16 input rows (a
+// tile of their levels, signed) times the same values of 16 weight rows (the group's u, unsigned: the rows of
+// the tile operand as dot_groups lays them out) into 16 x 16 int32 sums, where vpdpbusd takes one input row.
+// The sums leave the tile unit per group (each group has its own scales) and go through add_group as above:
+// the products' bits are matmul_tiles_dot's.
+
+template <class T>
+constexpr int dot_vectors() {  // u vectors per dot_groups call: 4 values each
+  if constexpr (requires { T::DOT_VECTORS; }) return T::DOT_VECTORS;
+  return 8;
+}
+
+// tiles 0-2: a group's sums per level (16 input rows x 16 weight rows, int32); 3-5: the levels (16 input rows x
+// 4 N bytes); 6: the group's u (N rows of 16 weight rows x 4 bytes)
+template <int N>
+void amx_configure() {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } config{};
+  config.palette = 1;
+  for (int i = 0; i < 3; ++i) {
+    config.rows[i] = config.rows[3 + i] = 16;
+    config.colsb[i] = 64;
+    config.colsb[3 + i] = 4 * N;
+  }
+  config.rows[6] = N;
+  config.colsb[6] = 64;
+  _tile_loadconfig(&config);
+}
+
+// y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input (R a multiple of 16). Runs of
+// tiles are unpacked once (their u, d and m per group) for all input rows, then taken 16 rows at a time, over
+// spans of the input's values whose levels stay in L1 (16 rows x 3 levels x 512 values: 24 kB)
+template <class T>
+__attribute__((noinline)) void matmul_tiles_amx(const RoundedX& x, int64_t r0, int64_t R, const uint8_t* w,
+                                                int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  constexpr int QK = T::Gguf::QK, N = dot_vectors<T>(), GV = N + 2;  // GV: vectors a group keeps (u, d, m)
+  constexpr int64_t TB = 16 * T::Gguf::BYTES, PER_BLOCK = QK / (4 * N), SPAN = std::max(1, 512 / QK);  // blocks
+  const int64_t K = x.K, nb = K / QK, tile_bytes = nb * TB + (has_row_scale<T>() ? 64 : 0), groups = nb * PER_BLOCK;
+  const int64_t run = std::max<int64_t>(1, (128 << 10) / (groups * GV * 64));  // tiles unpacked at a time: ~128 kB
+  thread_local std::vector<__m512i> unpacked;
+  thread_local std::vector<__m512> sums_of_run;  // the run's accumulators: 16 rows of 16 lanes a tile
+  thread_local std::vector<int64_t> starts;  // each group's first value, in dot_groups' order
+  unpacked.resize(run * groups * GV);
+  sums_of_run.resize(run * 16);
+  starts.resize(groups);
+  alignas(64) int32_t sums[3][16][16];
+  amx_configure<N>();
+  for (int64_t ta = t0; ta < t1; ta += run) {
+    const int64_t tb = std::min(t1, ta + run);
+    for (int64_t t = ta; t < tb; ++t) {
+      __m512i* out = unpacked.data() + (t - ta) * groups * GV;
+      int64_t g = 0;
+      for (int64_t b = 0; b < nb; ++b)
+        T::template dot_groups<16>(w + t * tile_bytes + b * TB, [&](auto n, int k0, const __m512i* u, __m512 d,
+                                                                     __m512 m) {
+          static_assert(decltype(n)::value == N, "dot_vectors<T>() must be what dot_groups gives");
+          for (int j = 0; j < N; ++j)  // the formats with a bias: their signed values back (tdpbssd)
+            _mm512_store_si512(out + g * GV + j, dot_bias<T>() ? _mm512_xor_si512(u[j], _mm512_set1_epi8(-128)) : u[j]);
+          _mm512_store_ps(reinterpret_cast<float*>(out + g * GV + N), d);
+          _mm512_store_ps(reinterpret_cast<float*>(out + g * GV + N + 1), m);
+          starts[g++] = b * QK + k0;
+        });
+    }
+    for (int64_t r = r0; r < r0 + R; r += 16) {
+      const int8_t* levels = x.tiles.data() + r * 3 * K;  // level l of rows r.. r + 15, values k..: levels[
+      // 1536 (k / 32) + 512 l + k % 32], 32 bytes a row
+      std::fill(sums_of_run.begin(), sums_of_run.end(), _mm512_setzero_ps());
+      for (int64_t b0 = 0; b0 < nb; b0 += SPAN)
+        for (int64_t t = ta; t < tb; ++t) {
+          const __m512i* groups_u = unpacked.data() + (t - ta) * groups * GV;
+          __m512* run_acc = sums_of_run.data() + (t - ta) * 16;
+          __m512 acc[16];  // in registers over the span
+          for (int i = 0; i < 16; ++i) acc[i] = run_acc[i];
+          for (int64_t g = b0 * PER_BLOCK, g1 = std::min(nb, b0 + SPAN) * PER_BLOCK; g < g1; ++g) {
+            const __m512i* u = groups_u + g * GV;
+            const int64_t k = starts[g];
+            _tile_loadd(6, u, 64);
+            const int8_t* a = levels + 1536 * (k / 32) + k % 32;
+            _tile_loadd(3, a, 32);
+            _tile_loadd(4, a + 512, 32);
+            _tile_loadd(5, a + 1024, 32);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            if constexpr (dot_bias<T>() != 0) {
+              _tile_dpbssd(0, 3, 6);
+              _tile_dpbssd(1, 4, 6);
+              _tile_dpbssd(2, 5, 6);
+            } else {
+              _tile_dpbsud(0, 3, 6);
+              _tile_dpbsud(1, 4, 6);
+              _tile_dpbsud(2, 5, 6);
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            _tile_stored(2, sums[2], 64);
+            const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(u + N)),
+                         m = _mm512_load_ps(reinterpret_cast<const float*>(u + N + 1));
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) {  // (unrolled: acc stays in registers)
+              const __m512i dot[3] = {_mm512_load_si512(sums[0][i]), _mm512_load_si512(sums[1][i]),
+                                      _mm512_load_si512(sums[2][i])};
+              acc[i] = add_group<T, N, false>(acc[i], dot, d, m, x, r + i, k);
+            }
+          }
+          for (int i = 0; i < 16; ++i) run_acc[i] = acc[i];
+        }
+      for (int64_t t = ta; t < tb; ++t) {
+        const __m512* acc = sums_of_run.data() + (t - ta) * 16;
+        const __m512 scale = has_row_scale<T>() ? _mm512_loadu_ps(w + t * tile_bytes + nb * TB) : _mm512_set1_ps(1.0f);
+        for (int i = 0; i < 16; ++i)
+          _mm512_storeu_ps(y + (r + i) * ldy + 16 * t, has_row_scale<T>() ? _mm512_mul_ps(acc[i], scale) : acc[i]);
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 #else
 struct RoundedX {};
 template <class T>
@@ -1292,9 +1469,15 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
     // are as many, else 1-8 (each unpacked block serves twice the rows of 8: 512-row products 3-14% faster on Zen
     // 4; 24 or 32 rows no faster)
     // over runs of tiles of ~256 kB, so that many rows (a prefill) read each run from L2, not memory
+    // (with AMX: all but the last R % 16 rows in tiles of 16 by 16)
+    int64_t tile_unit_rows = 0;
+#if defined(KVGEN_AMX)
+    if ((tile_unit_rows = amx_rows(R)) > 0)
+      matmul_tiles_amx<T>(rx, 0, tile_unit_rows, w, (n0 + 15) / 16, (n1 + 15) / 16, y, ldy);
+#endif
     const int64_t run = std::max<int64_t>(1, (256 << 10) / (K / T::Gguf::QK * 16 * T::Gguf::BYTES));
     for (int64_t t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16; t0 < t1; t0 += run)
-      for (int64_t r = 0, t = std::min(t0 + run, t1), rows; r < R; r += rows) {
+      for (int64_t r = tile_unit_rows, t = std::min(t0 + run, t1), rows; r < R; r += rows) {
         float* yr = y + r * ldy;
         switch (rows = R - r >= 16 ? 16 : std::min<int64_t>(8, R - r)) {
           case 1: matmul_tiles_dot<T, 1>(rx, r, w, t0, t, yr, ldy); break;
@@ -1467,7 +1650,7 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
       if constexpr (!has_dot<T>()) in.xsums[i] = group_sums<T>(xp, ldx, R, p.K);
     });
 #if defined(KVGEN_DOT8)
-  if (p.rounded) in.rx = round_x(xp, ldx, R, p.K, p.biased);
+  if (p.rounded) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
 #endif
   return in;
 }
@@ -2760,8 +2943,18 @@ std::vector<int64_t> integer_dot_formats() {
 #endif
 }
 
+// whether products of 16 input rows or more take AMX's tile products (the integer dot formats' sums, 16 x 16 at a time)
+bool tile_products() {
+#if defined(KVGEN_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(kvgen, m) {
   m.def("integer_dot_formats() -> int[]", integer_dot_formats);
+  m.def("tile_products() -> bool", tile_products);
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("embedding(Tensor w, Tensor ids, int k, int format) -> Tensor");

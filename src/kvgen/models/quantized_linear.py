@@ -6,7 +6,9 @@ more than 8 rows: 16), each block decoded in registers and multiplied by those r
 (``d * sum(q * x) + m * sum(x)`` per group, float32 accumulation). With AVX-512 VNNI, weights of 4-6 bits
 in tiles of 16 rows take exact integer dot products of their stored values with the rows rounded to 21 bits
 and a sign per block of 32 values (at most 2^-22 of the block's largest value off): 1.4-1.8x faster per
-thread than widening every value to float32; so do kvgen's int8 and int4 weights (quantized at load).
+thread than widening every value to float32; so do kvgen's int8 and int4 weights (quantized at load). Where the CPU
+has AMX (Intel's tile unit), products of 16 rows or more take the same integer sums 16 input rows by 16 weight rows
+per instruction, the same bits (:func:`~kvgen.kernels.tile_products`).
 Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch buffer
 reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul,
 except where the integer dot products are faster at any number of rows (:func:`any_rows_formats`).
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvgen.kernels import integer_dot_formats
+from kvgen.kernels import integer_dot_formats, tile_products
 from kvgen.models.linear import matmul
 from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows, untile_rows
 
@@ -41,7 +43,10 @@ def any_rows_formats() -> frozenset[int]:
     dot products of AVX-512 VNNI (Zen 4, 2 threads, Gemma 3's and SmolLM2's layers at 512 rows: 200-240
     GFLOP/s against 185-198 for dequantize + oneDNN), except Q6_K's (groups of 16 values: 145) and kvgen's
     int8 and int4 tiles (a Xeon with AMX, 2 threads, 3072 x 576 at 512 rows: 263-302 against 324-358;
-    SmolLM2 in int8, prefill of 512 tokens: 858-914 tok/s against 982-1018)."""
+    SmolLM2 in int8, prefill of 512 tokens: 858-914 tok/s against 982-1018). With AMX's tile products (the same
+    sums, 16 input rows by 16 weight rows at a time): every integer dot format."""
+    if tile_products():
+        return integer_dot_formats()
     return integer_dot_formats() - {2014, 3008, 3032, 3064, 3128}
 
 
