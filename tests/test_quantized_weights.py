@@ -325,10 +325,10 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
     bit for bit, by construction; on CPUs without AMX, the 16-row vpdpbusd products equal the 8-row ones the same
     way. On a CPU with AMX, Linux's permission must have been granted (else every prefill silently runs ~1.3x
     slower)."""
-    from kvgen.kernels import tile_products
+    from kvgen.kernels import tile_formats
 
     if _amx_cpu() and kernels_available() and os.environ.get("KVGEN_DISABLE_AMX", "") in ("", "0"):
-        assert tile_products(), "this CPU has AMX but kvgen's kernels did not get (or were built without) it"
+        assert tile_formats() >= integer_dot_formats() | {30}, "this CPU has AMX: kvgen's kernels did not get it"
     qtype = DOT_WEIGHTS[name]
     if isinstance(qtype, Q):
         rows = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(random_raw(qtype, 64, 512))))], 512)
@@ -343,6 +343,31 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
     assert torch.equal(many, few)
     reference = x.double() @ rows.dequantize().double().T
     assert ((many.double() - reference).abs() <= 1e-5 * (x.double().abs() @ rows.dequantize().double().abs().T)).all()
+
+
+@pytest.mark.parametrize("rows", [8, 16, 35, 64])
+def test_bf16_products_keep_every_bit_of_the_input(rows):
+    """BF16 weights times 16 rows or more take AMX's bfloat16 products where the CPU has them, with the input rows
+    split into three bfloat16 parts (8 significant bits each) that sum to them exactly. A one-hot weight picks input
+    values: every bit must come back (losing the last part would leave ~2^-17 of each value off, well inside the
+    float32 summation bound that the products' other tests allow)."""
+    eye = torch.eye(32, 64).to(torch.bfloat16)
+    data = eye.view(torch.int16).view(torch.uint8).reshape(32, 128)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)) * torch.logspace(-20, 20, 64)
+    assert torch.equal(torch.ops.kvgen.qmatmul(x, [data], [30]), x[:, :32])
+
+
+def test_bf16_layers_take_prefill_products_only_in_whole_tiles():
+    """A prefill-sized product of BF16 weights is kvgen's own where AMX's tile products run (16 weight rows a tile);
+    a weight of another row count keeps dequantize + float32 matmul there, not the slower one-pass product."""
+    from kvgen.models.quantized_linear import any_rows_formats
+
+    def layer(rows):
+        data = torch.randn(rows, 64).to(torch.bfloat16).view(torch.int16).view(torch.uint8)
+        return QuantizedLinear(PackedWeight([(30, data)], 64))
+
+    assert layer(48).takes_qmatmul(512) == (30 in any_rows_formats())
+    assert not layer(40).takes_qmatmul(512) and layer(40).takes_qmatmul(8)
 
 
 # -- whole models ------------------------------------------------------------------------------------------

@@ -102,7 +102,8 @@ def integer_dot_formats() -> frozenset[int]:
 
 
 @functools.cache
-def tile_products() -> bool:
-    """Whether products of 16 rows or more in the integer dot formats take AMX's tile products (Intel's AMX, Linux's
-    permission; ``KVGEN_DISABLE_AMX=1`` turns them off): the same sums, 16 input rows by 16 weight rows at a time."""
-    return kernels_available() and torch.ops.kvgen.tile_products()
+def tile_formats() -> frozenset[int]:
+    """Weight formats whose products of 16 rows or more take AMX's tile products on this CPU (Intel's AMX, with
+    Linux's permission; ``KVGEN_DISABLE_AMX=1`` turns them off): the integer dot formats (the same sums, 16 input
+    rows by 16 weight rows at a time) and BF16 (the rows split exactly into three bfloat16 parts); else none."""
+    return frozenset(torch.ops.kvgen.tile_formats()) if kernels_available() else frozenset()

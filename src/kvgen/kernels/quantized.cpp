@@ -13,7 +13,8 @@
 // kvgen's int8 and int4 where integer dot products run) in tiles of 16 rows (formats 2000 + the format)
 // put 16 rows' values in the lanes instead (matmul_tiles); with AVX-512 VNNI they take integer dot products
 // of their stored values with x rounded to 21 bits per block of 32 (matmul_tiles_dot); with AMX, products of 16 rows
-// or more take the same sums 16 x 16 at a time (matmul_tiles_amx). The decoder ops at the end run a decode step's
+// or more take the same sums 16 x 16 at a time (matmul_tiles_amx), and BF16 weights AMX's bfloat16 products with
+// the rows split exactly into three bfloat16 parts (matmul_bf16_amx). The decoder ops at the end run a decode step's
 // layer around these products.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -945,6 +946,16 @@ __attribute__((noinline)) void matmul_tiles(const float* x, int64_t ldx, const f
   }
 }
 
+// a buffer left uninitialised, for what its user writes in full (zeroing a 512-row prefill's rounded input took as
+// long as rounding it)
+template <class V>
+struct Written {
+  std::unique_ptr<V[]> values;
+  explicit Written(int64_t n = 0) : values(new V[n]) {}
+  V* data() const { return values.get(); }
+  V& operator[](int64_t i) const { return values[i]; }
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BITALG__)
 #define KVGEN_DOT8 1
 // ---- Integer dot products (AVX-512 VNNI) for the tiled formats (4-6 bits; Q8_0's values + 128 as
@@ -984,16 +995,6 @@ int64_t amx_rows(int64_t) { return 0; }
 // and, for AMX's tile loads (tile_rows > 0), the levels of the first tile_rows rows (a multiple of 16) again, a
 // tile's operand at a time: (tile_rows / 16, K / 32, 3, 16, 32), 16 rows by 32 values of one level in 512
 // contiguous bytes (strided loads of (R, 3, K) took as long as the tile products)
-// (buffers left uninitialised where round_x writes every element: zeroing a 512-row prefill's levels took as long
-// as rounding them)
-template <class V>
-struct Written {
-  std::unique_ptr<V[]> values;
-  explicit Written(int64_t n = 0) : values(new V[n]) {}
-  V* data() const { return values.get(); }
-  V& operator[](int64_t i) const { return values[i]; }
-};
-
 struct RoundedX {
   int64_t K;
   Written<int8_t> levels;
@@ -1455,14 +1456,119 @@ template <class T>
 constexpr bool has_dot() { return false; }
 #endif
 
+#if defined(KVGEN_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define KVGEN_AMX_BF16 1
+// ---- BF16 weights times 16 input rows or more on AMX (tdpbf16ps): the rows split exactly into three bfloat16
+// parts, x = x1 + x2 + x3 (8 significant bits each: x1 rounded to bfloat16, x2 the rest rounded, x3 what remains;
+// values below ~2^-110 lose their last parts), each product of a weight with a part exact in float32 and summed
+// in the tile unit's float32 accumulators: W @ x up to float32 rounding order, as the float32 matmul. Per 32 values
+// a 16 x 16 output tile takes 3 instructions and keeps its sums in the tile unit over all K.
+
+// the rows' three parts: (3, R, K) bfloat16 bits, part p of row r at halves + (p R + r) K
+Written<uint16_t> split_bf16(const float* x, int64_t ldx, int64_t R, int64_t K) {
+  Written<uint16_t> halves(3 * R * K);
+  at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t k = 0; k < K; k += 16) {
+        __m512 rest = _mm512_loadu_ps(x + r * ldx + k);
+        for (int p = 0; p < 3; ++p) {
+          const __m256i part = (__m256i)_mm512_cvtneps_pbh(rest);  // rounded to nearest, ties to even
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves.data() + (p * R + r) * K + k), part);
+          rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(part), 16)));
+        }
+      }
+  });
+  return halves;
+}
+
+// tiles 0-3: the float32 sums of 2 x 2 output tiles (16 input rows x 16 weight rows); 4-5: two tiles of input
+// rows (16 rows x 32 values of one part); 6-7: two weight tiles (16 pairs of values x 16 rows x 2)
+void amx_configure_bf16() {
+  struct alignas(64) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } config{};
+  config.palette = 1;
+  for (int i = 0; i < 8; ++i) {
+    config.rows[i] = 16;
+    config.colsb[i] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// output tiles (XT input-row tiles from r) x (WT weight tiles from t), over all K
+template <int XT, int WT>
+inline void bf16_tiles(const uint16_t* halves, int64_t R, int64_t K, int64_t r, const uint8_t* packed, int64_t t,
+                       float* y, int64_t ldy) {
+  const int64_t steps = K / 32;
+  _tile_zero(0);
+  if constexpr (WT > 1) _tile_zero(1);
+  if constexpr (XT > 1) _tile_zero(2);
+  if constexpr (XT > 1 && WT > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(6, packed + (t * steps + s) * 1024, 64);
+    if constexpr (WT > 1) _tile_loadd(7, packed + ((t + 1) * steps + s) * 1024, 64);
+    for (int p = 0; p < 3; ++p) {
+      const uint16_t* a = halves + (p * R + r) * K + 32 * s;
+      _tile_loadd(4, a, 2 * K);
+      if constexpr (XT > 1) _tile_loadd(5, a + 16 * K, 2 * K);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (WT > 1) _tile_dpbf16ps(1, 4, 7);
+      if constexpr (XT > 1) _tile_dpbf16ps(2, 5, 6);
+      if constexpr (XT > 1 && WT > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  float* out = y + r * ldy + 16 * t;
+  _tile_stored(0, out, 4 * ldy);
+  if constexpr (WT > 1) _tile_stored(1, out + 16, 4 * ldy);
+  if constexpr (XT > 1) _tile_stored(2, out + 16 * ldy, 4 * ldy);
+  if constexpr (XT > 1 && WT > 1) _tile_stored(3, out + 16 * ldy + 16, 4 * ldy);
+}
+
+// y[r, 16 t + i] for weight tiles t0..t1 (16 rows of a BF16 weight, rb bytes apart) and the R rows split into
+// halves (R a multiple of 16)
+void matmul_bf16_amx(const uint16_t* halves, int64_t R, const uint8_t* w, int64_t rb, int64_t t0, int64_t t1,
+                     int64_t K, float* y, int64_t ldy) {
+  const int64_t steps = K / 32, tiles = t1 - t0;
+  // the weight tiles as the tile unit takes them: per 32 values, row j holds pairs j of the 16 weight rows
+  thread_local Written<uint8_t> packed;
+  thread_local int64_t packed_size = 0;
+  if (packed_size < tiles * steps * 1024) packed = Written<uint8_t>(packed_size = tiles * steps * 1024);
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32((int32_t)rb));
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t s = 0; s < steps; ++s)
+      for (int j = 0; j < 16; ++j)
+        _mm512_storeu_si512(packed.data() + (t * steps + s) * 1024 + 64 * j,
+                           _mm512_i32gather_epi32(rows, w + 16 * (t0 + t) * rb + 64 * s + 4 * j, 1));
+  amx_configure_bf16();
+  for (int64_t r = 0; r < R; r += 32) {
+    const uint8_t* p = packed.data() - t0 * steps * 1024;  // indexed by the tile's own number
+    int64_t t = t0;
+    if (R - r >= 32) {
+      for (; t + 2 <= t1; t += 2) bf16_tiles<2, 2>(halves, R, K, r, p, t, y, ldy);
+      if (t < t1) bf16_tiles<2, 1>(halves, R, K, r, p, t, y, ldy);
+    } else {
+      for (; t + 2 <= t1; t += 2) bf16_tiles<1, 2>(halves, R, K, r, p, t, y, ldy);
+      if (t < t1) bf16_tiles<1, 1>(halves, R, K, r, p, t, y, ldy);
+    }
+  }
+  _tile_release();
+}
+
+#endif
+
 // the row length of group_sums: K / GROUP rounded up to 16 (matmul_rows reads 16 groups at a time)
 template <class T>
 int64_t group_sums_ld(int64_t K) { return (K / T::GROUP + 15) / 16 * 16; }
 
 // rows n0..n1 of one weight, every row of x (in runs of at most 8)
 template <class T>
-void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, const RoundedX& rx, const uint8_t* w,
-                  int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
+// (halves: x's first halves_rows rows split into bfloat16 parts, where BF16 weights take tdpbf16ps; else 0)
+void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, const RoundedX& rx,
+                  const Written<uint16_t>& halves, int64_t halves_rows, const uint8_t* w, int64_t row_bytes,
+                  int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
   const int64_t xld = group_sums_ld<T>(K);
 #if defined(KVGEN_DOT8)
   if constexpr (has_dot<T>()) {  // the tiles whose first row lies in n0..n1, 16 rows of x at a time while there
@@ -1518,7 +1624,13 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
       }
     }
   } else {
-    for (int64_t r = 0; r < R; r += 8) {
+    int64_t r = 0;
+#if defined(KVGEN_AMX_BF16)
+    if constexpr (std::is_same_v<T, BF16>)
+      if (halves_rows > 0)
+        matmul_bf16_amx(halves.data(), r = halves_rows, w, row_bytes, (n0 + 15) / 16, (n1 + 15) / 16, K, y, ldy);
+#endif
+    for (; r < R; r += 8) {
       const float* xr = x + r * ldx;
       const float* xs = xsum + r * xld;
       float* yr = y + r * ldy;
@@ -1613,6 +1725,7 @@ struct Product {
   int64_t K = 0, N = 0;  // input features, output rows
   bool rounded = false;  // some segment takes integer dot products: x rounded once for all of them
   bool biased = false;  // and some of those adds a bias to its values (Q8_0): sums of each level needed
+  bool halved = false;  // some segment is BF16, and every BF16 segment has a multiple of 16 rows (tdpbf16ps)
 };
 
 Product make_product(at::TensorList ws, at::IntArrayRef formats, int64_t K) {
@@ -1630,6 +1743,9 @@ Product make_product(at::TensorList ws, at::IntArrayRef formats, int64_t K) {
     p.held.push_back(ws[i]);
     p.N += ws[i].size(0);
   }
+  const auto bf16 = [](const Product::Segment& seg) { return seg.format == 30; };
+  p.halved = std::any_of(p.segments.begin(), p.segments.end(), bf16) &&
+             std::all_of(p.segments.begin(), p.segments.end(), [&](auto& seg) { return !bf16(seg) || seg.rows % 16 == 0; });
   return p;
 }
 
@@ -1640,6 +1756,8 @@ struct ProductInput {
   int64_t ldx, R;
   std::vector<std::vector<float>> xsums;  // per segment
   RoundedX rx;
+  int64_t halves_rows = 0;  // the first rows split into bfloat16 parts for BF16 segments (split_bf16), or none
+  Written<uint16_t> halves;
 };
 
 ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R) {
@@ -1652,6 +1770,9 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
 #if defined(KVGEN_DOT8)
   if (p.rounded) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
 #endif
+#if defined(KVGEN_AMX_BF16)
+  if (p.halved && (in.halves_rows = amx_rows(R)) > 0) in.halves = split_bf16(xp, ldx, in.halves_rows, p.K);
+#endif
   return in;
 }
 
@@ -1663,8 +1784,8 @@ void product_rows(const Product& p, const ProductInput& in, int64_t n0, int64_t 
     if (lo >= hi) continue;
     dispatch(seg.format, [&](auto t) {
       using T = decltype(t);
-      matmul_range<T>(in.x, in.ldx, in.R, in.xsums[i].data(), in.rx, seg.w, seg.row_bytes, lo - seg.start,
-                      hi - seg.start, p.K, yp + seg.start, p.N);
+      matmul_range<T>(in.x, in.ldx, in.R, in.xsums[i].data(), in.rx, in.halves, in.halves_rows, seg.w, seg.row_bytes,
+                      lo - seg.start, hi - seg.start, p.K, yp + seg.start, p.N);
     });
   }
 }
@@ -2943,18 +3064,22 @@ std::vector<int64_t> integer_dot_formats() {
 #endif
 }
 
-// whether products of 16 input rows or more take AMX's tile products (the integer dot formats' sums, 16 x 16 at a time)
-bool tile_products() {
+// the formats whose products of 16 input rows or more take AMX's tile products (the integer dot formats' sums 16 x 16
+// at a time; BF16 with the rows in three bfloat16 parts), else none
+std::vector<int64_t> tile_formats() {
+  std::vector<int64_t> formats;
 #if defined(KVGEN_AMX)
-  return amx_permitted();
-#else
-  return false;
+  if (amx_permitted()) formats = integer_dot_formats();
 #endif
+#if defined(KVGEN_AMX_BF16)
+  if (amx_permitted()) formats.push_back(30);
+#endif
+  return formats;
 }
 
 TORCH_LIBRARY(kvgen, m) {
   m.def("integer_dot_formats() -> int[]", integer_dot_formats);
-  m.def("tile_products() -> bool", tile_products);
+  m.def("tile_formats() -> int[]", tile_formats);
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("embedding(Tensor w, Tensor ids, int k, int format) -> Tensor");

@@ -8,7 +8,8 @@ in tiles of 16 rows take exact integer dot products of their stored values with 
 and a sign per block of 32 values (at most 2^-22 of the block's largest value off): 1.4-1.8x faster per
 thread than widening every value to float32; so do kvgen's int8 and int4 weights (quantized at load). Where the CPU
 has AMX (Intel's tile unit), products of 16 rows or more take the same integer sums 16 input rows by 16 weight rows
-per instruction, the same bits (:func:`~kvgen.kernels.tile_products`).
+per instruction, the same bits, and BF16 weights take AMX's bfloat16 products with the rows split exactly into
+three bfloat16 parts (:func:`~kvgen.kernels.tile_formats`).
 Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch buffer
 reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul,
 except where the integer dot products are faster at any number of rows (:func:`any_rows_formats`).
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvgen.kernels import integer_dot_formats, tile_products
+from kvgen.kernels import integer_dot_formats, tile_formats
 from kvgen.models.linear import matmul
 from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows, untile_rows
 
@@ -43,10 +44,10 @@ def any_rows_formats() -> frozenset[int]:
     dot products of AVX-512 VNNI (Zen 4, 2 threads, Gemma 3's and SmolLM2's layers at 512 rows: 200-240
     GFLOP/s against 185-198 for dequantize + oneDNN), except Q6_K's (groups of 16 values: 145) and kvgen's
     int8 and int4 tiles (a Xeon with AMX, 2 threads, 3072 x 576 at 512 rows: 263-302 against 324-358;
-    SmolLM2 in int8, prefill of 512 tokens: 858-914 tok/s against 982-1018). With AMX's tile products (the same
-    sums, 16 input rows by 16 weight rows at a time): every integer dot format."""
-    if tile_products():
-        return integer_dot_formats()
+    SmolLM2 in int8, prefill of 512 tokens: 858-914 tok/s against 982-1018). With AMX's tile products
+    (:func:`~kvgen.kernels.tile_formats`): every integer dot format, and BF16."""
+    if tile_formats():
+        return integer_dot_formats() | tile_formats()
     return integer_dot_formats() - {2014, 3008, 3032, 3064, 3128}
 
 
@@ -121,7 +122,11 @@ class QuantizedLinear(_Packed):
 
     def takes_qmatmul(self, rows: int) -> bool:
         """Whether a CPU product of ``rows`` rows is the one-pass ``kvgen::qmatmul`` (else dequantize + matmul)."""
-        return rows <= QMATMUL_ROWS or any_rows_formats().issuperset(self.formats)
+        if rows <= QMATMUL_ROWS:
+            return True
+        # (BF16's tile products take weights of a multiple of 16 rows: others would take the one-pass product)
+        return any_rows_formats().issuperset(self.formats) and all(
+            format != 30 or segment.shape[0] % 16 == 0 for format, segment in zip(self.formats, self._segments))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":  # GPU: decoded by torch operations, then x's matmul
