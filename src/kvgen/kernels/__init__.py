@@ -104,6 +104,6 @@ def integer_dot_formats() -> frozenset[int]:
 @functools.cache
 def tile_formats() -> frozenset[int]:
     """Weight formats whose products of 16 rows or more take AMX's tile products on this CPU (Intel's AMX, with
-    Linux's permission; ``KVGEN_DISABLE_AMX=1`` turns them off): the integer dot formats (the same sums, 16 input
-    rows by 16 weight rows at a time) and BF16 (the rows split exactly into three bfloat16 parts); else none."""
+    Linux's permission; ``KVGEN_DISABLE_AMX=1`` turns them off): the integer dot formats but Q6_K (the same sums, 16
+    input rows by 16 weight rows at a time) and BF16 (the rows split exactly into three bfloat16 parts); else none."""
     return frozenset(torch.ops.kvgen.tile_formats()) if kernels_available() else frozenset()

@@ -427,7 +427,6 @@ struct Q6_Kx16 : Tiled<Q6_K, 0> {
   template <int CH> static constexpr int SLOTS = 4 * std::max(1, CH / 4);  // four groups open at a time
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
-  static constexpr int DOT_VECTORS = 4;  // groups of 16 values
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
   // dot_groups reads a 3360-byte tile block end first (scales, d), then three interleaved runs: the
   // hardware's prefetchers lag, and a one-row product from memory ran at half its speed from cache
@@ -1335,16 +1334,10 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
 // The sums leave the tile unit per group (each group has its own scales) and go through add_group as above:
 // the products' bits are matmul_tiles_dot's.
 
-template <class T>
-constexpr int dot_vectors() {  // u vectors per dot_groups call: 4 values each
-  if constexpr (requires { T::DOT_VECTORS; }) return T::DOT_VECTORS;
-  return 8;
-}
-
 // tiles 0-2: a group's sums per level (16 input rows x 16 weight rows, int32); 3-5: the levels (16 input rows x
 // 4 N bytes); 6: the group's u (N rows of 16 weight rows x 4 bytes)
 template <int N>
-void amx_configure() {
+void amx_configure_dot() {
   struct alignas(64) {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -1367,10 +1360,12 @@ void amx_configure() {
 template <class T>
 __attribute__((noinline)) void matmul_tiles_amx(const RoundedX& x, int64_t r0, int64_t R, const uint8_t* w,
                                                 int64_t t0, int64_t t1, float* y, int64_t ldy) {
-  constexpr int QK = T::Gguf::QK, N = dot_vectors<T>(), GV = N + 2;  // GV: vectors a group keeps (u, d, m)
+  constexpr int QK = T::Gguf::QK, N = 8, GV = N + 2;  // N: u vectors a group (32 values); GV: with d and m
   constexpr int64_t TB = 16 * T::Gguf::BYTES, PER_BLOCK = QK / (4 * N), SPAN = std::max(1, 512 / QK);  // blocks
   const int64_t K = x.K, nb = K / QK, tile_bytes = nb * TB + (has_row_scale<T>() ? 64 : 0), groups = nb * PER_BLOCK;
-  const int64_t run = std::max<int64_t>(1, (128 << 10) / (groups * GV * 64));  // tiles unpacked at a time: ~128 kB
+  // tiles unpacked at a time: ~512 kB (2 threads, 512 rows, 3072 x 1536: 418-444 GFLOP/s against 355-370 with 128 kB,
+  // 387-411 with 1.5 MB)
+  const int64_t run = std::max<int64_t>(1, (512 << 10) / (groups * GV * 64));
   thread_local std::vector<__m512i> unpacked;
   thread_local std::vector<__m512> sums_of_run;  // the run's accumulators: 16 rows of 16 lanes a tile
   thread_local std::vector<int64_t> starts;  // each group's first value, in dot_groups' order
@@ -1378,7 +1373,7 @@ __attribute__((noinline)) void matmul_tiles_amx(const RoundedX& x, int64_t r0, i
   sums_of_run.resize(run * 16);
   starts.resize(groups);
   alignas(64) int32_t sums[3][16][16];
-  amx_configure<N>();
+  amx_configure_dot<N>();
   for (int64_t ta = t0; ta < t1; ta += run) {
     const int64_t tb = std::min(t1, ta + run);
     for (int64_t t = ta; t < tb; ++t) {
@@ -1387,7 +1382,7 @@ __attribute__((noinline)) void matmul_tiles_amx(const RoundedX& x, int64_t r0, i
       for (int64_t b = 0; b < nb; ++b)
         T::template dot_groups<16>(w + t * tile_bytes + b * TB, [&](auto n, int k0, const __m512i* u, __m512 d,
                                                                      __m512 m) {
-          static_assert(decltype(n)::value == N, "dot_vectors<T>() must be what dot_groups gives");
+          static_assert(decltype(n)::value == N, "groups of 32 values only (Q6_K's 16 take vpdpbusd)");
           for (int j = 0; j < N; ++j)  // the formats with a bias: their signed values back (tdpbssd)
             _mm512_store_si512(out + g * GV + j, dot_bias<T>() ? _mm512_xor_si512(u[j], _mm512_set1_epi8(-128)) : u[j]);
           _mm512_store_ps(reinterpret_cast<float*>(out + g * GV + N), d);
@@ -1578,8 +1573,11 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
     // (with AMX: all but the last R % 16 rows in tiles of 16 by 16)
     int64_t tile_unit_rows = 0;
 #if defined(KVGEN_AMX)
-    if ((tile_unit_rows = amx_rows(R)) > 0)
-      matmul_tiles_amx<T>(rx, 0, tile_unit_rows, w, (n0 + 15) / 16, (n1 + 15) / 16, y, ldy);
+    // (not Q6_K: its groups of 16 values give a tile instruction half the work for the same read-back, and at 512
+    // rows ran at 142-221 GFLOP/s against 263-295 for dequantize + oneDNN, 158-184 with vpdpbusd)
+    if constexpr (!std::is_same_v<T, Q6_Kx16>)
+      if ((tile_unit_rows = amx_rows(R)) > 0)
+        matmul_tiles_amx<T>(rx, 0, tile_unit_rows, w, (n0 + 15) / 16, (n1 + 15) / 16, y, ldy);
 #endif
     const int64_t run = std::max<int64_t>(1, (256 << 10) / (K / T::Gguf::QK * 16 * T::Gguf::BYTES));
     for (int64_t t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16; t0 < t1; t0 += run)
@@ -3069,7 +3067,9 @@ std::vector<int64_t> integer_dot_formats() {
 std::vector<int64_t> tile_formats() {
   std::vector<int64_t> formats;
 #if defined(KVGEN_AMX)
-  if (amx_permitted()) formats = integer_dot_formats();
+  if (amx_permitted())
+    for (int64_t format : integer_dot_formats())
+      if (format != 2014) formats.push_back(format);  // (Q6_K: vpdpbusd, see matmul_range)
 #endif
 #if defined(KVGEN_AMX_BF16)
   if (amx_permitted()) formats.push_back(30);
