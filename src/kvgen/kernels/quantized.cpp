@@ -35,6 +35,7 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <type_traits>
@@ -1334,23 +1335,19 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
 // The sums leave the tile unit per group (each group has its own scales) and go through add_group as above:
 // the products' bits are matmul_tiles_dot's.
 
-// tiles 0-2: a group's sums per level (16 input rows x 16 weight rows, int32); 3-5: the levels (16 input rows x
-// 4 N bytes); 6: the group's u (N rows of 16 weight rows x 4 bytes)
-template <int N>
-void amx_configure_dot() {
+// loads the tile unit's configuration (palette 1): tile i holds tiles[i] = (rows, bytes a row)
+void amx_configure(std::initializer_list<std::pair<uint8_t, uint16_t>> tiles) {
   struct alignas(64) {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
   } config{};
   config.palette = 1;
-  for (int i = 0; i < 3; ++i) {
-    config.rows[i] = config.rows[3 + i] = 16;
-    config.colsb[i] = 64;
-    config.colsb[3 + i] = 4 * N;
+  int i = 0;
+  for (const auto& [rows, bytes] : tiles) {
+    config.rows[i] = rows;
+    config.colsb[i++] = bytes;
   }
-  config.rows[6] = N;
-  config.colsb[6] = 64;
   _tile_loadconfig(&config);
 }
 
@@ -1373,7 +1370,9 @@ __attribute__((noinline)) void matmul_tiles_amx(const RoundedX& x, int64_t r0, i
   sums_of_run.resize(run * 16);
   starts.resize(groups);
   alignas(64) int32_t sums[3][16][16];
-  amx_configure_dot<N>();
+  // tiles 0-2: a group's sums per level (16 input rows x 16 weight rows, int32); 3-5: its levels (16 input rows x 32
+  // bytes); 6: its u (8 rows of 16 weight rows x 4 bytes)
+  amx_configure({{16, 64}, {16, 64}, {16, 64}, {16, 4 * N}, {16, 4 * N}, {16, 4 * N}, {N, 64}});
   for (int64_t ta = t0; ta < t1; ta += run) {
     const int64_t tb = std::min(t1, ta + run);
     for (int64_t t = ta; t < tb; ++t) {
@@ -1476,22 +1475,6 @@ Written<uint16_t> split_bf16(const float* x, int64_t ldx, int64_t R, int64_t K) 
   return halves;
 }
 
-// tiles 0-3: the float32 sums of 2 x 2 output tiles (16 input rows x 16 weight rows); 4-5: two tiles of input
-// rows (16 rows x 32 values of one part); 6-7: two weight tiles (16 pairs of values x 16 rows x 2)
-void amx_configure_bf16() {
-  struct alignas(64) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
-  for (int i = 0; i < 8; ++i) {
-    config.rows[i] = 16;
-    config.colsb[i] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
 // output tiles (XT input-row tiles from r) x (WT weight tiles from t), over all K
 template <int XT, int WT>
 inline void bf16_tiles(const uint16_t* halves, int64_t R, int64_t K, int64_t r, const uint8_t* packed, int64_t t,
@@ -1537,7 +1520,9 @@ void matmul_bf16_amx(const uint16_t* halves, int64_t R, const uint8_t* w, int64_
       for (int j = 0; j < 16; ++j)
         _mm512_storeu_si512(packed.data() + (t * steps + s) * 1024 + 64 * j,
                            _mm512_i32gather_epi32(rows, w + 16 * (t0 + t) * rb + 64 * s + 4 * j, 1));
-  amx_configure_bf16();
+  // tiles 0-3: the float32 sums of 2 x 2 output tiles (16 input rows x 16 weight rows); 4-5: two tiles of input rows
+  // (16 rows x 32 values of one part); 6-7: two weight tiles (16 pairs of values x 16 rows x 2)
+  amx_configure({{16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}, {16, 64}});
   for (int64_t r = 0; r < R; r += 32) {
     const uint8_t* p = packed.data() - t0 * steps * 1024;  // indexed by the tile's own number
     int64_t t = t0;
