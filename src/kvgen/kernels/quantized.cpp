@@ -1261,7 +1261,8 @@ inline __m512 add_group(__m512 acc, const __m512i (&dot)[3], __m512 d, __m512 m,
   __m512i level[3] = {dot[0], dot[1], dot[2]};
   if constexpr (UNBIAS && dot_bias<T>() != 0)
     for (int l = 0; l < 3; ++l)
-      level[l] = _mm512_sub_epi32(level[l], _mm512_set1_epi32(dot_bias<T>() * x.level_sums[(r * 3 + l) * (K / 32) + k / 32]));
+      level[l] = _mm512_sub_epi32(
+          level[l], _mm512_set1_epi32(dot_bias<T>() * x.level_sums[(r * 3 + l) * (K / 32) + k / 32]));
   __m512 sum;  // sum(u * X) = level 0 * 2^14 + level 1 * 2^7 + level 2, rounded once to float32
   if constexpr (dot_bias<T>() == 0) {  // in int32: |X| <= XQ_MAX and u < 32 (32 values) or 64 (16)
     // (conversions and multiply-adds share the multiply pipes with vpdpbusd: 512-row products 5-13% faster)
@@ -1352,22 +1353,19 @@ void amx_configure(std::initializer_list<std::pair<uint8_t, uint16_t>> tiles) {
 }
 
 // y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input (R a multiple of 16). Runs of
-// tiles are unpacked once (their u, d and m per group) for all input rows, then taken 16 rows at a time, over
-// spans of the input's values whose levels stay in L1 (16 rows x 3 levels x 512 values: 24 kB)
+// tiles are unpacked once (their u, d and m per group) for all input rows, then taken 16 rows at a time
 template <class T>
 __attribute__((noinline)) void matmul_tiles_amx(const RoundedX& x, int64_t r0, int64_t R, const uint8_t* w,
                                                 int64_t t0, int64_t t1, float* y, int64_t ldy) {
   constexpr int QK = T::Gguf::QK, N = 8, GV = N + 2;  // N: u vectors a group (32 values); GV: with d and m
-  constexpr int64_t TB = 16 * T::Gguf::BYTES, PER_BLOCK = QK / (4 * N), SPAN = std::max(1, 512 / QK);  // blocks
-  const int64_t K = x.K, nb = K / QK, tile_bytes = nb * TB + (has_row_scale<T>() ? 64 : 0), groups = nb * PER_BLOCK;
+  constexpr int64_t TB = 16 * T::Gguf::BYTES;
+  const int64_t K = x.K, nb = K / QK, tile_bytes = nb * TB + (has_row_scale<T>() ? 64 : 0), groups = K / (4 * N);
   // tiles unpacked at a time: ~512 kB (2 threads, 512 rows, 3072 x 1536: 418-444 GFLOP/s against 355-370 with 128 kB,
   // 387-411 with 1.5 MB)
   const int64_t run = std::max<int64_t>(1, (512 << 10) / (groups * GV * 64));
   thread_local std::vector<__m512i> unpacked;
-  thread_local std::vector<__m512> sums_of_run;  // the run's accumulators: 16 rows of 16 lanes a tile
   thread_local std::vector<int64_t> starts;  // each group's first value, in dot_groups' order
   unpacked.resize(run * groups * GV);
-  sums_of_run.resize(run * 16);
   starts.resize(groups);
   alignas(64) int32_t sums[3][16][16];
   // tiles 0-2: a group's sums per level (16 input rows x 16 weight rows, int32); 3-5: its levels (16 input rows x 32
@@ -1383,7 +1381,8 @@ __attribute__((noinline)) void matmul_tiles_amx(const RoundedX& x, int64_t r0, i
                                                                      __m512 m) {
           static_assert(decltype(n)::value == N, "groups of 32 values only (Q6_K's 16 take vpdpbusd)");
           for (int j = 0; j < N; ++j)  // the formats with a bias: their signed values back (tdpbssd)
-            _mm512_store_si512(out + g * GV + j, dot_bias<T>() ? _mm512_xor_si512(u[j], _mm512_set1_epi8(-128)) : u[j]);
+            _mm512_store_si512(out + g * GV + j,
+                               dot_bias<T>() ? _mm512_xor_si512(u[j], _mm512_set1_epi8(-128)) : u[j]);
           _mm512_store_ps(reinterpret_cast<float*>(out + g * GV + N), d);
           _mm512_store_ps(reinterpret_cast<float*>(out + g * GV + N + 1), m);
           starts[g++] = b * QK + k0;
@@ -1392,49 +1391,42 @@ __attribute__((noinline)) void matmul_tiles_amx(const RoundedX& x, int64_t r0, i
     for (int64_t r = r0; r < r0 + R; r += 16) {
       const int8_t* levels = x.tiles.data() + r * 3 * K;  // level l of rows r.. r + 15, values k..: levels[
       // 1536 (k / 32) + 512 l + k % 32], 32 bytes a row
-      std::fill(sums_of_run.begin(), sums_of_run.end(), _mm512_setzero_ps());
-      for (int64_t b0 = 0; b0 < nb; b0 += SPAN)
-        for (int64_t t = ta; t < tb; ++t) {
-          const __m512i* groups_u = unpacked.data() + (t - ta) * groups * GV;
-          __m512* run_acc = sums_of_run.data() + (t - ta) * 16;
-          __m512 acc[16];  // in registers over the span
-          for (int i = 0; i < 16; ++i) acc[i] = run_acc[i];
-          for (int64_t g = b0 * PER_BLOCK, g1 = std::min(nb, b0 + SPAN) * PER_BLOCK; g < g1; ++g) {
-            const __m512i* u = groups_u + g * GV;
-            const int64_t k = starts[g];
-            _tile_loadd(6, u, 64);
-            const int8_t* a = levels + 1536 * (k / 32) + k % 32;
-            _tile_loadd(3, a, 32);
-            _tile_loadd(4, a + 512, 32);
-            _tile_loadd(5, a + 1024, 32);
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            if constexpr (dot_bias<T>() != 0) {
-              _tile_dpbssd(0, 3, 6);
-              _tile_dpbssd(1, 4, 6);
-              _tile_dpbssd(2, 5, 6);
-            } else {
-              _tile_dpbsud(0, 3, 6);
-              _tile_dpbsud(1, 4, 6);
-              _tile_dpbsud(2, 5, 6);
-            }
-            _tile_stored(0, sums[0], 64);
-            _tile_stored(1, sums[1], 64);
-            _tile_stored(2, sums[2], 64);
-            const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(u + N)),
-                         m = _mm512_load_ps(reinterpret_cast<const float*>(u + N + 1));
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; ++i) {  // (unrolled: acc stays in registers)
-              const __m512i dot[3] = {_mm512_load_si512(sums[0][i]), _mm512_load_si512(sums[1][i]),
-                                      _mm512_load_si512(sums[2][i])};
-              acc[i] = add_group<T, N, false>(acc[i], dot, d, m, x, r + i, k);
-            }
-          }
-          for (int i = 0; i < 16; ++i) run_acc[i] = acc[i];
-        }
       for (int64_t t = ta; t < tb; ++t) {
-        const __m512* acc = sums_of_run.data() + (t - ta) * 16;
+        const __m512i* groups_u = unpacked.data() + (t - ta) * groups * GV;
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; ++g) {
+          const __m512i* u = groups_u + g * GV;
+          const int64_t k = starts[g];
+          _tile_loadd(6, u, 64);
+          const int8_t* a = levels + 1536 * (k / 32) + k % 32;
+          _tile_loadd(3, a, 32);
+          _tile_loadd(4, a + 512, 32);
+          _tile_loadd(5, a + 1024, 32);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          if constexpr (dot_bias<T>() != 0) {
+            _tile_dpbssd(0, 3, 6);
+            _tile_dpbssd(1, 4, 6);
+            _tile_dpbssd(2, 5, 6);
+          } else {
+            _tile_dpbsud(0, 3, 6);
+            _tile_dpbsud(1, 4, 6);
+            _tile_dpbsud(2, 5, 6);
+          }
+          _tile_stored(0, sums[0], 64);
+          _tile_stored(1, sums[1], 64);
+          _tile_stored(2, sums[2], 64);
+          const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(u + N)),
+                       m = _mm512_load_ps(reinterpret_cast<const float*>(u + N + 1));
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) {  // (unrolled: acc stays in registers)
+            const __m512i dot[3] = {_mm512_load_si512(sums[0][i]), _mm512_load_si512(sums[1][i]),
+                                    _mm512_load_si512(sums[2][i])};
+            acc[i] = add_group<T, N, false>(acc[i], dot, d, m, x, r + i, k);
+          }
+        }
         const __m512 scale = has_row_scale<T>() ? _mm512_loadu_ps(w + t * tile_bytes + nb * TB) : _mm512_set1_ps(1.0f);
         for (int i = 0; i < 16; ++i)
           _mm512_storeu_ps(y + (r + i) * ldy + 16 * t, has_row_scale<T>() ? _mm512_mul_ps(acc[i], scale) : acc[i]);
@@ -1458,26 +1450,26 @@ constexpr bool has_dot() { return false; }
 // in the tile unit's float32 accumulators: W @ x up to float32 rounding order, as the float32 matmul. Per 32 values
 // a 16 x 16 output tile takes 3 instructions and keeps its sums in the tile unit over all K.
 
-// the rows' three parts: (3, R, K) bfloat16 bits, part p of row r at halves + (p R + r) K
+// the rows' three parts: (3, R, K) bfloat16 bits, part p of row r at parts + (p R + r) K
 Written<uint16_t> split_bf16(const float* x, int64_t ldx, int64_t R, int64_t K) {
-  Written<uint16_t> halves(3 * R * K);
+  Written<uint16_t> parts(3 * R * K);
   at::parallel_for(0, R, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t k = 0; k < K; k += 16) {
         __m512 rest = _mm512_loadu_ps(x + r * ldx + k);
         for (int p = 0; p < 3; ++p) {
           const __m256i part = (__m256i)_mm512_cvtneps_pbh(rest);  // rounded to nearest, ties to even
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(halves.data() + (p * R + r) * K + k), part);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts.data() + (p * R + r) * K + k), part);
           rest = _mm512_sub_ps(rest, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(part), 16)));
         }
       }
   });
-  return halves;
+  return parts;
 }
 
 // output tiles (XT input-row tiles from r) x (WT weight tiles from t), over all K
 template <int XT, int WT>
-inline void bf16_tiles(const uint16_t* halves, int64_t R, int64_t K, int64_t r, const uint8_t* packed, int64_t t,
+inline void bf16_tiles(const uint16_t* parts, int64_t R, int64_t K, int64_t r, const uint8_t* packed, int64_t t,
                        float* y, int64_t ldy) {
   const int64_t steps = K / 32;
   _tile_zero(0);
@@ -1488,7 +1480,7 @@ inline void bf16_tiles(const uint16_t* halves, int64_t R, int64_t K, int64_t r, 
     _tile_loadd(6, packed + (t * steps + s) * 1024, 64);
     if constexpr (WT > 1) _tile_loadd(7, packed + ((t + 1) * steps + s) * 1024, 64);
     for (int p = 0; p < 3; ++p) {
-      const uint16_t* a = halves + (p * R + r) * K + 32 * s;
+      const uint16_t* a = parts + (p * R + r) * K + 32 * s;
       _tile_loadd(4, a, 2 * K);
       if constexpr (XT > 1) _tile_loadd(5, a + 16 * K, 2 * K);
       _tile_dpbf16ps(0, 4, 6);
@@ -1504,9 +1496,9 @@ inline void bf16_tiles(const uint16_t* halves, int64_t R, int64_t K, int64_t r, 
   if constexpr (XT > 1 && WT > 1) _tile_stored(3, out + 16 * ldy + 16, 4 * ldy);
 }
 
-// y[r, 16 t + i] for weight tiles t0..t1 (16 rows of a BF16 weight, rb bytes apart) and the R rows split into
-// halves (R a multiple of 16)
-void matmul_bf16_amx(const uint16_t* halves, int64_t R, const uint8_t* w, int64_t rb, int64_t t0, int64_t t1,
+// y[r, 16 t + i] for weight tiles t0..t1 (16 rows of a BF16 weight, rb bytes apart) and the R rows in their
+// three parts (R a multiple of 16)
+void matmul_bf16_amx(const uint16_t* parts, int64_t R, const uint8_t* w, int64_t rb, int64_t t0, int64_t t1,
                      int64_t K, float* y, int64_t ldy) {
   const int64_t steps = K / 32, tiles = t1 - t0;
   // the weight tiles as the tile unit takes them: per 32 values, row j holds pairs j of the 16 weight rows
@@ -1527,11 +1519,11 @@ void matmul_bf16_amx(const uint16_t* halves, int64_t R, const uint8_t* w, int64_
     const uint8_t* p = packed.data() - t0 * steps * 1024;  // indexed by the tile's own number
     int64_t t = t0;
     if (R - r >= 32) {
-      for (; t + 2 <= t1; t += 2) bf16_tiles<2, 2>(halves, R, K, r, p, t, y, ldy);
-      if (t < t1) bf16_tiles<2, 1>(halves, R, K, r, p, t, y, ldy);
+      for (; t + 2 <= t1; t += 2) bf16_tiles<2, 2>(parts, R, K, r, p, t, y, ldy);
+      if (t < t1) bf16_tiles<2, 1>(parts, R, K, r, p, t, y, ldy);
     } else {
-      for (; t + 2 <= t1; t += 2) bf16_tiles<1, 2>(halves, R, K, r, p, t, y, ldy);
-      if (t < t1) bf16_tiles<1, 1>(halves, R, K, r, p, t, y, ldy);
+      for (; t + 2 <= t1; t += 2) bf16_tiles<1, 2>(parts, R, K, r, p, t, y, ldy);
+      if (t < t1) bf16_tiles<1, 1>(parts, R, K, r, p, t, y, ldy);
     }
   }
   _tile_release();
@@ -1545,9 +1537,9 @@ int64_t group_sums_ld(int64_t K) { return (K / T::GROUP + 15) / 16 * 16; }
 
 // rows n0..n1 of one weight, every row of x (in runs of at most 8)
 template <class T>
-// (halves: x's first halves_rows rows split into bfloat16 parts, where BF16 weights take tdpbf16ps; else 0)
+// (parts: x's first split_rows rows in three bfloat16 parts, where BF16 weights take tdpbf16ps; else none)
 void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, const RoundedX& rx,
-                  const Written<uint16_t>& halves, int64_t halves_rows, const uint8_t* w, int64_t row_bytes,
+                  const Written<uint16_t>& parts, int64_t split_rows, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
   const int64_t xld = group_sums_ld<T>(K);
 #if defined(KVGEN_DOT8)
@@ -1610,8 +1602,8 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
     int64_t r = 0;
 #if defined(KVGEN_AMX_BF16)
     if constexpr (std::is_same_v<T, BF16>)
-      if (halves_rows > 0)
-        matmul_bf16_amx(halves.data(), r = halves_rows, w, row_bytes, (n0 + 15) / 16, (n1 + 15) / 16, K, y, ldy);
+      if (split_rows > 0)
+        matmul_bf16_amx(parts.data(), r = split_rows, w, row_bytes, (n0 + 15) / 16, (n1 + 15) / 16, K, y, ldy);
 #endif
     for (; r < R; r += 8) {
       const float* xr = x + r * ldx;
@@ -1708,7 +1700,7 @@ struct Product {
   int64_t K = 0, N = 0;  // input features, output rows
   bool rounded = false;  // some segment takes integer dot products: x rounded once for all of them
   bool biased = false;  // and some of those adds a bias to its values (Q8_0): sums of each level needed
-  bool halved = false;  // some segment is BF16, and every BF16 segment has a multiple of 16 rows (tdpbf16ps)
+  bool split = false;  // some segment is BF16, and every BF16 segment has a multiple of 16 rows (tdpbf16ps)
 };
 
 Product make_product(at::TensorList ws, at::IntArrayRef formats, int64_t K) {
@@ -1727,8 +1719,9 @@ Product make_product(at::TensorList ws, at::IntArrayRef formats, int64_t K) {
     p.N += ws[i].size(0);
   }
   const auto bf16 = [](const Product::Segment& seg) { return seg.format == 30; };
-  p.halved = std::any_of(p.segments.begin(), p.segments.end(), bf16) &&
-             std::all_of(p.segments.begin(), p.segments.end(), [&](auto& seg) { return !bf16(seg) || seg.rows % 16 == 0; });
+  p.split = std::any_of(p.segments.begin(), p.segments.end(), bf16) &&
+             std::all_of(p.segments.begin(), p.segments.end(),
+                         [&](const Product::Segment& seg) { return !bf16(seg) || seg.rows % 16 == 0; });
   return p;
 }
 
@@ -1739,8 +1732,8 @@ struct ProductInput {
   int64_t ldx, R;
   std::vector<std::vector<float>> xsums;  // per segment
   RoundedX rx;
-  int64_t halves_rows = 0;  // the first rows split into bfloat16 parts for BF16 segments (split_bf16), or none
-  Written<uint16_t> halves;
+  int64_t split_rows = 0;  // the first rows split into bfloat16 parts for BF16 segments (split_bf16), or none
+  Written<uint16_t> parts;
 };
 
 ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R) {
@@ -1754,7 +1747,7 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
   if (p.rounded) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
 #endif
 #if defined(KVGEN_AMX_BF16)
-  if (p.halved && (in.halves_rows = amx_rows(R)) > 0) in.halves = split_bf16(xp, ldx, in.halves_rows, p.K);
+  if (p.split && (in.split_rows = amx_rows(R)) > 0) in.parts = split_bf16(xp, ldx, in.split_rows, p.K);
 #endif
   return in;
 }
@@ -1767,7 +1760,7 @@ void product_rows(const Product& p, const ProductInput& in, int64_t n0, int64_t 
     if (lo >= hi) continue;
     dispatch(seg.format, [&](auto t) {
       using T = decltype(t);
-      matmul_range<T>(in.x, in.ldx, in.R, in.xsums[i].data(), in.rx, in.halves, in.halves_rows, seg.w, seg.row_bytes,
+      matmul_range<T>(in.x, in.ldx, in.R, in.xsums[i].data(), in.rx, in.parts, in.split_rows, seg.w, seg.row_bytes,
                       lo - seg.start, hi - seg.start, p.K, yp + seg.start, p.N);
     });
   }
