@@ -21,7 +21,7 @@ from kvgen.generation.logits import apply_processors, build_processors
 from kvgen.generation.search import BeamSearch, choose_next_tokens
 from kvgen.generation.speculative import make_drafter, speculative_decode
 from kvgen.generation.stopping import MaxTime, StopStrings
-from kvgen.models.decode_blocks import blocks_compiled, eager_blocks
+from kvgen.models.decode_blocks import blocks_compiled, eager_blocks, runs_fused
 from kvgen.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
 
@@ -349,7 +349,7 @@ class GenerationMixin:
         # products compiling cannot speed up (run_blocks_eagerly): compiling their static step took ~10 s a process,
         # and where the fused stack op runs a float32 model's step on the CPU (runs_fused, a cache whose layers all
         # reserve): SmolLM2 in a static cache, Xeon, 2 threads: 39.9-40.4 tok/s against 27.1-27.8 compiled
-        stacked = self.device.type == "cpu" and getattr(self, "runs_fused", lambda: False)() and cache.reserves()
+        stacked = self.device.type == "cpu" and runs_fused(self) and cache.reserves()
         if not cache.is_compileable or not blocks_compiled() or not getattr(self, "compile_decode", True) or stacked:
             def eager(input_ids, attention_mask, position_ids):
                 t = input_ids.shape[1] - 1

@@ -68,7 +68,7 @@ def _canonical(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _runs_fused(module) -> bool:
+def runs_fused(module) -> bool:
     """Whether ``module`` says kvgen's fused C++ ops compute it (``module.runs_fused()``: a decoder layer or a model
     head on float32 CPU weights): compiling its block would add seconds of tracing and no speed (SmolLM2 in float32,
     30 tokens after a short prompt in a fresh process: 17.3 s with a cold compile cache, 5.2 s warm, 0.82 s eager)."""
@@ -92,7 +92,7 @@ def decode_block(fn):
         nonlocal compiled, failed
         if (failed or not getattr(module, "compile_decode", True) or not x.is_cpu  # packed models: eager, decided first
                 or x.shape[0] * x.shape[1] > MAX_ROWS or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or not blocks_compiled() or _runs_fused(module)):
+                or not blocks_compiled() or runs_fused(module)):
             return fn(module, x, *args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=False)

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvgen.models import native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
-from kvgen.models.decode_blocks import decode_block
+from kvgen.models.decode_blocks import decode_block, runs_fused
 from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts, fuses
 from kvgen.models.linear import Linear
 from kvgen.models.packed import cat_rows
@@ -198,8 +198,7 @@ class LlamaForCausalLM(PreTrainedModel):
     def runs_fused(self) -> bool:
         """Whether the head block (final norm, lm_head) runs eagerly: where the layers' fused C++ ops run, a float32
         lm_head is as fast through oneDNN as compiled, and compiling it would cost seconds of tracing."""
-        check = getattr(self.lm_head, "runs_fused", None)
-        return check is not None and check() and self.model.layers[0].runs_fused()
+        return runs_fused(self.lm_head) and self.model.layers[0].runs_fused()
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:
