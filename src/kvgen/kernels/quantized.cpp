@@ -991,10 +991,12 @@ int64_t amx_rows(int64_t) { return 0; }
 #endif
 
 // the input rows, rounded: levels (R, 3, K) int8, scales (R, K / 32), sums of x~ per 16 values (R, K / 16),
-// sums of each level per 32 values (R, 3, K / 32; only where asked: Q8_0's bias needs them)
+// sums of each level per 32 values (R, 3, K / 32; only where asked: Q8_0's and int8's bias needs them; zero for
+// the first tile_rows rows)
 // and, for AMX's tile loads (tile_rows > 0), the levels of the first tile_rows rows (a multiple of 16) again, a
 // tile's operand at a time: (tile_rows / 16, K / 32, 3, 16, 32), 16 rows by 32 values of one level in 512
-// contiguous bytes (strided loads of (R, 3, K) took as long as the tile products)
+// contiguous bytes (strided loads of (R, 3, K) took as long as the tile products). Those rows keep (R, 3, K) too: a
+// Q6_K segment of the same product takes vpdpbusd for every row
 struct RoundedX {
   int64_t K;
   Written<int8_t> levels;
@@ -1016,7 +1018,9 @@ RoundedX round_x(const float* x, int64_t ldx, int64_t R, int64_t K, bool with_le
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
         const float s = amax / XQ_MAX, inv = amax > 0.0f ? XQ_MAX / amax : 0.0f;
         out.scales[r * (K / 32) + b] = s;
-        int32_t* level_sums = with_level_sums ? out.level_sums.data() + r * 3 * (K / 32) + b : nullptr;
+        // (not for rows the tile products take: they multiply Q8_0's and int8's signed values, with no bias)
+        int32_t* level_sums =
+            with_level_sums && r >= tile_rows ? out.level_sums.data() + r * 3 * (K / 32) + b : nullptr;
         for (int h = 0; h < 2; ++h) {
           const __m512i X = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], _mm512_set1_ps(inv)));  // |X| <= XQ_MAX
           const __m512i x3 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, c64), c127), c64);  // -64..63
