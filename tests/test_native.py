@@ -10,6 +10,9 @@ prefill masks, one and two threads (split work merged), rows that allow no key (
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -259,3 +262,29 @@ def test_the_density_of_a_mask_is_estimated_once_for_all_layers(monkeypatch):
         again = (key <= pos)[None, None]  # may reuse the freed mask's memory and id
         assert native.attention(q, k, k, again, False, 0.1) is not None and len(estimates) == 3
 
+
+def test_a_compiler_that_rejects_link_time_optimization_builds_without_it(tmp_path, monkeypatch):
+    """The kernels build with ``-flto=auto`` (optimization spread over the cores); a compiler that refuses it
+    gets the same command without it, and a compiler error that remains is raised with its message."""
+    import kvgen.kernels as kernels
+
+    commands = []
+
+    def compiler(command, **_):
+        commands.append(command)
+        out = Path(command[command.index("-o") + 1])
+        if any(part.startswith("-flto") for part in command):
+            return subprocess.CompletedProcess(command, 1, "", "unknown argument: '-flto=auto'")
+        out.write_bytes(b"library")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(kernels.subprocess, "run", compiler)
+    kernels._build(tmp_path / "k.so")
+    assert (tmp_path / "k.so").read_bytes() == b"library"
+    assert [c for c in commands[0] if c not in commands[1]] == ["-flto=auto"] and len(commands) == 2
+
+    monkeypatch.setattr(kernels.subprocess, "run",
+                        lambda command, **_: subprocess.CompletedProcess(command, 1, "", "quantized.cpp:1: error"))
+    with pytest.raises(RuntimeError, match="quantized.cpp:1: error"):
+        kernels._build(tmp_path / "other.so")
+    assert not (tmp_path / "other.so").exists()

@@ -27,6 +27,9 @@ import torch
 _SOURCE = Path(__file__).with_name("quantized.cpp")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
           "-w"]
+# Link-time optimization splits the optimization of the one source file over every core (g++: 27 -> 18 s on 2 cores,
+# the same code speed); a compiler that rejects the flag builds without it.
+_PARALLEL = ["-flto=auto"]
 
 
 def _cpu_flags() -> str:
@@ -43,7 +46,8 @@ def _library_path() -> Path:
     from kvgen.loading.default_model import cache_dir
 
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()):
+    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_FLAGS + _PARALLEL).encode(),
+                 _cpu_flags().encode()):
         key.update(part)
     return cache_dir() / "kernels" / f"quantized-{key.hexdigest()[:16]}.so"
 
@@ -61,8 +65,10 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        print(f"kvgen: building kernels for this CPU (once, a few seconds) into {target.parent}", file=sys.stderr)
-        done = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
+        print(f"kvgen: building kernels for this CPU (once, ~20 s on 2 cores) into {target.parent}", file=sys.stderr)
+        done = subprocess.run([*command, *_PARALLEL, "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            done = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{done.stderr[-2000:]}")
         os.replace(out, target)  # atomic: a concurrent process sees no half-written library
