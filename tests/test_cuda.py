@@ -14,6 +14,7 @@ import copy
 import gguf
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 import kvgen
@@ -177,6 +178,26 @@ def test_bfloat16_on_cuda_stays_close_to_float32():
     assert (logits.float() - full).abs().max() <= 0.05 * full.abs().max()  # bfloat16 keeps 8 bits of mantissa
     out = half.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="static")
     assert out.shape == (2, 28)
+
+
+def test_eager_float16_decode_on_cuda_keeps_off_cudnn_attention():
+    """cuDNN's attention builds a graph for each new key count (one every eager decode step): kvgen's torch path
+    takes another backend where torch, left to choose, takes cuDNN's (float16 on Hopper)."""
+    fields = {**LLAMA, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}
+    model = on(tiny(fields), DEVICE).half()
+    q = torch.randn(1, 2, 1, 128, device=DEVICE, dtype=torch.float16)
+    k = v = torch.randn(1, 1, 40, 128, device=DEVICE, dtype=torch.float16)
+
+    def kernels(fn):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            fn()
+        return {event.key for event in prof.key_averages()}
+
+    if not any("cudnn" in name for name in kernels(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))):
+        pytest.skip("torch does not choose cuDNN's attention on this GPU: nothing to keep off")
+    ran = kernels(lambda: model.generate(prompt().to(DEVICE), max_new_tokens=6, do_sample=False, disable_compile=True))
+    assert any("scaled_dot_product" in name for name in ran)  # the torch path ran ...
+    assert not any("cudnn" in name for name in ran), sorted(ran)  # ... on another backend than cuDNN's
 
 
 @pytest.mark.parametrize("quant_type, group_size", [("int8_weight_only", 128), ("int4_weight_only", 32)])

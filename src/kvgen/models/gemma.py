@@ -30,6 +30,7 @@ from kvgen.models.decode_blocks import decode_block
 from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts, fuses
 from kvgen.models.linear import Linear
 from kvgen.models.llama import LlamaForCausalLM, attention_inputs, gated_mlp
+from kvgen.models.sdpa import scaled_dot_product_attention
 from kvgen.outputs import CausalLMOutputWithPast
 from kvgen.rope import RotaryEmbedding, apply_rotary
 
@@ -131,8 +132,8 @@ class GemmaAttention(CountedSettings, nn.Module):
             k, v = cache.update(k, v, self.layer_idx, cache_kwargs)
         out = native.attention(q, k, v, mask, is_causal, self.scaling, self.softcap)
         if out is None and self.softcap is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            out = scaled_dot_product_attention(q, k, v, mask, is_causal, self.scaling,
+                                               self.num_heads != self.num_kv_heads)
         elif out is None:
             out = softcapped_attention(q, k, v, mask, is_causal, self.scaling, self.softcap)
         return out.transpose(1, 2).flatten(2)

@@ -20,6 +20,7 @@ from kvgen.config import PretrainedConfig
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.llama import ACTIVATIONS, RMSNorm
 from kvgen.models.mamba import MambaMixer, padding_of_new_tokens
+from kvgen.models.sdpa import scaled_dot_product_attention
 from kvgen.outputs import CausalLMOutputWithPast
 
 
@@ -74,8 +75,7 @@ class JambaAttention(nn.Module):
         mask, is_causal = masks(self.layer_idx, None)  # before the update: it asks the cache
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, {"cache_position": cache_position})
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        out = scaled_dot_product_attention(q, k, v, mask, is_causal, None, self.num_heads != self.num_kv_heads)
         return self.o_proj(out.transpose(1, 2).flatten(2))
 
 

@@ -21,6 +21,7 @@ from kvgen.models.decode_blocks import decode_block, runs_fused
 from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts, fuses
 from kvgen.models.linear import Linear
 from kvgen.models.packed import cat_rows
+from kvgen.models.sdpa import scaled_dot_product_attention
 from kvgen.outputs import CausalLMOutputWithPast
 from kvgen.rope import RotaryEmbedding, apply_rotary
 
@@ -88,8 +89,8 @@ class Attention(CountedSettings, nn.Module):
             k, v = cache.update(k, v, self.layer_idx, cache_kwargs)
         out = native.attention(q, k, v, mask, is_causal, self.scaling)
         if out is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=self.scaling,
-                                                 enable_gqa=self.num_heads != self.num_kv_heads)
+            out = scaled_dot_product_attention(q, k, v, mask, is_causal, self.scaling,
+                                               self.num_heads != self.num_kv_heads)
         return out.transpose(1, 2).flatten(2)
 
 

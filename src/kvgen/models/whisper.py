@@ -26,6 +26,7 @@ from kvgen.generation.generate import GenerationMixin
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, prepare_decoder_inputs
 from kvgen.models.linear import Linear
 from kvgen.models.llama import ACTIVATIONS
+from kvgen.models.sdpa import scaled_dot_product_attention
 from kvgen.outputs import BaseModelOutput, Seq2SeqLMOutput
 
 
@@ -51,7 +52,7 @@ class WhisperAttention(nn.Module):
 
     def attend(self, x, k, v, mask=None, is_causal=False) -> torch.Tensor:
         q = self._heads(self.q_proj(x) * self.scaling)  # scaled before the product, as transformers does
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=1.0)
+        out = scaled_dot_product_attention(q, k, v, mask, is_causal, 1.0)
         return self.out_proj(out.transpose(1, 2).flatten(2))  # (B, T, d_model)
 
     def self_attention(self, x, masks: LayerMasks, cache, cache_position) -> torch.Tensor:
