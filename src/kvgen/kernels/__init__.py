@@ -2,7 +2,7 @@
 
 The library is compiled for this CPU (``-march=native``) into ``~/.cache/kvgen/kernels/``,
 keyed by the source, torch's version and the CPU's flags, then loaded as torch ops
-(``torch.ops.kvgen.*``). Building takes a few seconds, once; :func:`kernels_available` says
+(``torch.ops.kvgen.*``). Building takes ~20 s on 2 cores, once; :func:`kernels_available` says
 whether the ops could be built (no compiler: stored-precision weights fall back to float32).
 
 Example:
