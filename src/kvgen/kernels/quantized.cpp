@@ -27,7 +27,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <optional>
 #include <thread>
 #include <tuple>
 #include <omp.h>
@@ -2444,32 +2443,45 @@ AttentionPlan plan_attention(int64_t B, int64_t T, int64_t Hkv, int64_t G, int64
   return plan;
 }
 
-// One attention call as planned, into args.out (B, T, H, D): its threads take the items costliest
-// first (work), and the last part of a split item to finish merges them.
+// Attention calls as planned, one at a time (start), into args.out (B, T, H, D): the threads take the items
+// costliest first (work), and the last part of a split item to finish merges them. Its buffers are sized once for
+// the plans it takes (a decode stack's layers: an allocation a layer was ~2 us of its first thread's time).
 class AttentionRun {
  public:
-  AttentionRun(const AttentionPlan& plan, const AttentionArgs& args)
-      : plan_(plan), args_(args), slot_(plan.RMAX * (args.D + 2)), parts_(plan.nparts * slot_),
-        pending_(new std::atomic<int64_t>[plan.splits.size()]) {
+  // for the plans first .. last - 1, of heads of D values
+  AttentionRun(const AttentionPlan* first, const AttentionPlan* last, int64_t D) {
+    size_t parts = 0, splits = 0;
+    for (const AttentionPlan* plan = first; plan != last; ++plan) {
+      parts = std::max<size_t>(parts, plan->nparts * plan->RMAX * (D + 2));
+      splits = std::max(splits, plan->splits.size());
+    }
+    parts_.resize(parts);
+    pending_.reset(new std::atomic<int64_t>[splits]);
+  }
+
+  // the next call (before any thread works on it)
+  void start(const AttentionPlan& plan, const AttentionArgs& args) {
+    plan_ = &plan, args_ = args, slot_ = plan.RMAX * (args.D + 2);
+    next_.store(0, std::memory_order_relaxed);
     for (size_t i = 0; i < plan.splits.size(); ++i) pending_[i].store(plan.splits[i].parts, std::memory_order_relaxed);
   }
 
   // items until none is left (w: this thread's scratch, for plan.RMAX rows)
   void work(Scratch& w) {
-    const int64_t nitems = plan_.items.size();
+    const int64_t nitems = plan_->items.size();
     for (int64_t i = next_++; i < nitems; i = next_++) {
-      const AttentionPlan::Item& it = plan_.items[plan_.order[i]];
+      const AttentionPlan::Item& it = plan_->items[plan_->order[i]];
       float* part = it.part >= 0 ? parts_.data() + it.part * slot_ : nullptr;
-      attend_tiles(args_, it.b, it.g, plan_.blocks[it.blk], it.c0, it.c1, w, part);
+      attend_tiles(args_, it.b, it.g, plan_->blocks[it.blk], it.c0, it.c1, w, part);
       if (it.split >= 0 && pending_[it.split].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge(plan_.splits[it.split], w.acc);
+        merge(plan_->splits[it.split], w.acc);
     }
   }
 
  private:
   // a split item's partial states (max, sum, values per query row) merged into the output
   void merge(const AttentionPlan::Split& sp, float* acc) {
-    const RowBlock& blk = plan_.blocks[sp.blk];
+    const RowBlock& blk = plan_->blocks[sp.blk];
     const int64_t T = args_.T, H = args_.H, G = args_.G, D = args_.D, Rp = padded_rows(blk.n * G);
     for (int64_t p = 0; p < blk.n; ++p)
       for (int64_t h = 0; h < G; ++h) {
@@ -2491,9 +2503,9 @@ class AttentionRun {
       }
   }
 
-  const AttentionPlan& plan_;
-  const AttentionArgs args_;
-  const int64_t slot_;
+  const AttentionPlan* plan_ = nullptr;
+  AttentionArgs args_{};
+  int64_t slot_ = 0;
   std::vector<float> parts_;
   std::unique_ptr<std::atomic<int64_t>[]> pending_;
   std::atomic<int64_t> next_{0};
@@ -2502,7 +2514,8 @@ class AttentionRun {
 // attends as planned, into args.out (B, T, H, D), in one parallel region (each region can wait a time
 // slice for a thread on a busy host)
 void attend(const AttentionPlan& plan, const AttentionArgs& args) {
-  AttentionRun run(plan, args);
+  AttentionRun run(&plan, &plan + 1, args.D);
+  run.start(plan, args);
   at::parallel_for(0, std::min<int64_t>(plan.threads, plan.items.size()), 1, [&](int64_t, int64_t) {
     Scratch w(plan.RMAX, args.D);
     run.work(w);
@@ -2985,7 +2998,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
   float *const down = o + R * hidden, *const gu = down + R * hidden;
   const at::Tensor xc = x0.contiguous();
   SpinBarrier barrier;
-  std::optional<AttentionRun> run;  // the present layer's
+  AttentionRun run(plans.data(), plans.data() + plans.size(), D);  // the present layer's attention
   // One parallel region for all layers, its phases apart by a spinning barrier (an OpenMP region per
   // product and attention was 5 regions a layer: the layers 1.06x / 1.10x faster for SmolLM2 / Gemma 3
   // at 2 threads, Zen 4). Each thread computes the few rows between products itself (norms, residuals,
@@ -3014,9 +3027,9 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
         rms_rows(x, l.input_norm, R, hidden, w.eps, w.offset, xn);
         product(l.qkv, xn, hidden, qkv);
         if (t == 0)  // (the last layer's run ended before its o product)
-          run.emplace(*plan_of[i], AttentionArgs{q, kp, vp, H * T * D, T * D, D, k.stride(0), k.stride(1), k.stride(2),
-                                                 v.stride(0), v.stride(1), v.stride(2), mps[i], T, S, H, H / Hkv, D,
-                                                 (float)l.scale, (float)l.softcap, attn});
+          run.start(*plan_of[i], AttentionArgs{q, kp, vp, H * T * D, T * D, D, k.stride(0), k.stride(1), k.stride(2),
+                                               v.stride(0), v.stride(1), v.stride(2), mps[i], T, S, H, H / Hkv, D,
+                                               (float)l.scale, (float)l.softcap, attn});
         barrier.wait(n);
         const int64_t heads = H + 2 * Hkv, per = (heads + n - 1) / n;
         rotate_heads(qkv, B, T, H, Hkv, D, cs[tables[i]].data_ptr<float>(), ss[tables[i]].data_ptr<float>(),
@@ -3025,7 +3038,7 @@ at::Tensor decoder_layers(const at::Tensor& x0, at::TensorList cos, at::TensorLi
                      {vp + (S - T) * v.stride(2), v.stride(0), v.stride(1), v.stride(2)}, std::min(heads, t * per),
                      std::min(heads, (t + 1) * per));
         barrier.wait(n);
-        run->work(scratch_rows);
+        run.work(scratch_rows);
         barrier.wait(n);
         mlp_rows(l.mlp, x, attn, R, {o, gu, down, h, xn, m}, x, product, [&] { barrier.wait(n); });
       }
