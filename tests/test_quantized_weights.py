@@ -313,7 +313,7 @@ DOT_WEIGHTS = {**{q.name: q for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.
 
 
 def _amx_cpu() -> bool:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = kvgen.kernels._cpu_flags()  # the flags line the kernels are built and keyed for
     return " amx_int8" in flags and " amx_tile" in flags and " avx512_vnni" in flags
 
 
