@@ -1339,6 +1339,12 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
 // The sums leave the tile unit per group (each group has its own scales) and go through add_group as above:
 // the products' bits are matmul_tiles_dot's.
 
+// whether T's products of 16 rows or more take the tile unit: not Q6_K's (its groups of 16 values give a tile
+// instruction half the work for the same read-back, and at 512 rows ran at 142-221 GFLOP/s against 263-295 for
+// dequantize + oneDNN, 158-184 with vpdpbusd)
+template <class T>
+constexpr bool takes_tile_unit() { return has_dot<T>() && !std::is_same_v<T, Q6_Kx16>; }
+
 // loads the tile unit's configuration (palette 1): tile i holds tiles[i] = (rows, bytes a row)
 void amx_configure(std::initializer_list<std::pair<uint8_t, uint16_t>> tiles) {
   struct alignas(64) {
@@ -1553,9 +1559,7 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
     // (with AMX: all but the last R % 16 rows in tiles of 16 by 16)
     int64_t tile_unit_rows = 0;
 #if defined(KVGEN_AMX)
-    // (not Q6_K: its groups of 16 values give a tile instruction half the work for the same read-back, and at 512
-    // rows ran at 142-221 GFLOP/s against 263-295 for dequantize + oneDNN, 158-184 with vpdpbusd)
-    if constexpr (!std::is_same_v<T, Q6_Kx16>)
+    if constexpr (takes_tile_unit<T>())
       if ((tile_unit_rows = amx_rows(R)) > 0)
         matmul_tiles_amx<T>(rx, 0, tile_unit_rows, w, (n0 + 15) / 16, (n1 + 15) / 16, y, ldy);
 #endif
@@ -3064,7 +3068,9 @@ std::vector<int64_t> tile_formats() {
 #if defined(KVGEN_AMX)
   if (amx_permitted())
     for (int64_t format : integer_dot_formats())
-      if (format != 2014) formats.push_back(format);  // (Q6_K: vpdpbusd, see matmul_range)
+      dispatch(format, [&](auto t) {
+        if constexpr (takes_tile_unit<decltype(t)>()) formats.push_back(format);
+      });
 #endif
 #if defined(KVGEN_AMX_BF16)
   if (amx_permitted()) formats.push_back(30);
