@@ -264,8 +264,9 @@ def test_the_density_of_a_mask_is_estimated_once_for_all_layers(monkeypatch):
 
 
 def test_a_compiler_that_rejects_link_time_optimization_builds_without_it(tmp_path, monkeypatch):
-    """The kernels build with ``-flto=auto`` (optimization spread over the cores); a compiler that refuses it
-    gets the same command without it, and a compiler error that remains is raised with its message."""
+    """The kernels build with ``-flto=auto`` (every source compiled at once, then one link that optimizes them
+    together); a compiler that refuses it gets the same commands without it, and a compiler error that remains is
+    raised with its message."""
     import kvgen.kernels as kernels
 
     commands = []
@@ -275,16 +276,24 @@ def test_a_compiler_that_rejects_link_time_optimization_builds_without_it(tmp_pa
         out = Path(command[command.index("-o") + 1])
         if any(part.startswith("-flto") for part in command):
             return subprocess.CompletedProcess(command, 1, "", "unknown argument: '-flto=auto'")
-        out.write_bytes(b"library")
+        out.write_bytes(b"library" if out.suffix == ".so" else b"object")
         return subprocess.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(kernels.subprocess, "run", compiler)
     kernels._build(tmp_path / "k.so")
     assert (tmp_path / "k.so").read_bytes() == b"library"
-    assert [c for c in commands[0] if c not in commands[1]] == ["-flto=auto"] and len(commands) == 2
+    sources = sorted(str(p) for p in Path(kernels.__file__).parent.glob("*.cpp"))
+    assert len(sources) >= 5  # the kernels split by idea, each source its own object
+    refused = [c for c in commands if "-flto=auto" in c]
+    built = [c for c in commands if "-flto=auto" not in c]
+    assert refused and {tuple(p for p in c if p != "-flto=auto") for c in refused} <= {tuple(c) for c in built}
+    compiled = sorted(c[c.index("-c") + 1] for c in built if "-c" in c)
+    linked = [c for c in built if "-shared" in c]
+    assert compiled == sources and len(linked) == 1
+    assert sorted(p for p in linked[0] if p.endswith(".o")) == sorted(c[c.index("-o") + 1] for c in built if "-c" in c)
 
     monkeypatch.setattr(kernels.subprocess, "run",
-                        lambda command, **_: subprocess.CompletedProcess(command, 1, "", "quantized.cpp:1: error"))
-    with pytest.raises(RuntimeError, match="quantized.cpp:1: error"):
+                        lambda command, **_: subprocess.CompletedProcess(command, 1, "", "dot.cpp:1: error"))
+    with pytest.raises(RuntimeError, match="dot.cpp:1: error"):
         kernels._build(tmp_path / "other.so")
     assert not (tmp_path / "other.so").exists()

@@ -1,8 +1,20 @@
-"""kvgen's C++ kernels (``quantized.cpp``): built once per machine with the system's C++ compiler.
+"""kvgen's C++ kernels: built once per machine with the system's C++ compiler, loaded as torch ops.
+
+The sources are split by idea, as llama.cpp's CPU backend is:
+
+* ``simd.h``: vector types and primitives per instruction set (AVX-512, AVX2; VNNI, AMX flags);
+* ``parallel.h``: the threads (torch's own pool);
+* ``formats.h``, ``formats.cpp``: the weight formats (GGUF blocks, kvgen's int8/int4, float rows), their
+  decoding and dequantization;
+* ``tiles.h``: the same blocks in tiles of 16 rows, and their integer groups for ``vpdpbusd``;
+* ``dot.h``, ``dot.cpp``, ``amx.h``: the matrix products (rows, tiles, integer dot products, Intel's tile unit);
+* ``attention.h``, ``attention.cpp``: attention over dense and paged keys and values;
+* ``layer.h``, ``layer.cpp``: norms, rotary, the gated MLP, a decode step's stack of layers;
+* ``ops.cpp``: the torch ops (``torch.ops.kvgen.*``), the only file that knows torch's tensors.
 
 The library is compiled for this CPU (``-march=native``) into ``~/.cache/kvgen/kernels/``,
-keyed by the source, torch's version and the CPU's flags, then loaded as torch ops
-(``torch.ops.kvgen.*``). Building takes ~20 s on 2 cores, once; :func:`kernels_available` says
+keyed by the sources, torch's version and the CPU's flags: the sources in parallel, then one link that optimizes
+them together (``-flto=auto``). Building takes ~20 s on 2 cores, once; :func:`kernels_available` says
 whether the ops could be built (no compiler: stored-precision weights fall back to float32).
 
 Example:
@@ -20,15 +32,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("quantized.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-std=c++20", "-shared", "-fPIC",
-          "-w"]
-# Link-time optimization splits the optimization of the one source file over every core (g++: 27 -> 18 s on 2 cores,
-# the same code speed); a compiler that rejects the flag builds without it.
+_HERE = Path(__file__).parent
+_SOURCES = sorted(_HERE.glob("*.cpp"))
+_HEADERS = sorted(_HERE.glob("*.h"))
+# hidden symbols: nothing but the op registration leaves the library, so the link optimizes across files as freely as
+# within one
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno", "-std=c++20", "-fPIC",
+          "-fvisibility=hidden", "-w"]
+# Link-time optimization: the files optimized together at the link, spread over every core; a compiler that rejects
+# the flag builds without it.
 _PARALLEL = ["-flto=auto"]
 
 
@@ -46,10 +63,24 @@ def _library_path() -> Path:
     from kvgen.loading.default_model import cache_dir
 
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_FLAGS + _PARALLEL).encode(),
-                 _cpu_flags().encode()):
+    for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), torch.__version__.encode(),
+                 " ".join(_FLAGS + _PARALLEL).encode(), _cpu_flags().encode()):
         key.update(part)
-    return cache_dir() / "kernels" / f"quantized-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "kernels" / f"kernels-{key.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, flags: list[str], link: list[str], directory: Path, out: Path):
+    """Each source to an object in ``directory``, all at once, then the objects to ``out``; the first failure."""
+    objects = [directory / f"{source.stem}.o" for source in _SOURCES]
+    with ThreadPoolExecutor(max_workers=min(len(_SOURCES), os.cpu_count() or 1)) as pool:
+        compiled = list(pool.map(
+            lambda pair: subprocess.run([compiler, *flags, "-c", str(pair[0]), "-o", str(pair[1])],
+                                        capture_output=True, text=True), zip(_SOURCES, objects)))
+    failed = [done for done in compiled if done.returncode != 0]
+    if failed:
+        return failed[0]
+    return subprocess.run([compiler, *flags, "-shared", *map(str, objects), *link, "-o", str(out)],
+                          capture_output=True, text=True)
 
 
 def _build(target: Path) -> None:
@@ -59,16 +90,16 @@ def _build(target: Path) -> None:
     if compiler is None:
         raise RuntimeError("no C++ compiler found (install g++ or set CXX)")
     lib = cpp_extension.library_paths()[0]
-    command = [compiler, *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               *(f"-I{p}" for p in cpp_extension.include_paths()), str(_SOURCE),
-               f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+    flags = [*_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(f"-I{p}" for p in cpp_extension.include_paths())]
+    link = [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         print(f"kvgen: building kernels for this CPU (once, ~20 s on 2 cores) into {target.parent}", file=sys.stderr)
-        done = subprocess.run([*command, *_PARALLEL, "-o", str(out)], capture_output=True, text=True)
+        done = _compile(compiler, [*flags, *_PARALLEL], link, Path(tmp), out)
         if done.returncode != 0:
-            done = subprocess.run([*command, "-o", str(out)], capture_output=True, text=True)
+            done = _compile(compiler, flags, link, Path(tmp), out)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed:\n{done.stderr[-2000:]}")
         os.replace(out, target)  # atomic: a concurrent process sees no half-written library

@@ -1,0 +1,98 @@
+// Matrix products over weights kept in their stored formats (formats.h): y = x W^T for float32 input rows x and
+// a weight made of row segments, each in its own format. What the products take and give is here; how they run
+// (rows, tiles, integer dot products, the tile unit) is in dot.cpp.
+//
+// Example (ops.cpp's kvgen::qmatmul): y (R, p.N) = x (R, K) times a Q4_0 weight of N rows
+//     const Product p = make_product({{2, 0, N, K / 32 * 18, bytes}}, K);
+//     product_into(p, x, K, R, y);
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace kvgen {
+
+#if defined(KVGEN_DOT8)
+// the input rows, rounded for the integer dot products (dot.cpp's round_x): levels (R, 3, K) int8, scales (R, K /
+// 32), sums of x~ per 16 values (R, K / 16), sums of each level per 32 values (R, 3, K / 32; only where asked: Q8_0's
+// and int8's bias needs them; zero for the first tile_rows rows) and, for AMX's tile loads (tile_rows > 0), the
+// levels of the first tile_rows rows (a multiple of 16) again, a tile's operand at a time: (tile_rows / 16, K / 32,
+// 3, 16, 32), 16 rows by 32 values of one level in 512 contiguous bytes (strided loads of (R, 3, K) took as long as
+// the tile products). Those rows keep (R, 3, K) too: a Q6_K segment of the same product takes vpdpbusd for every row
+struct RoundedX {
+  int64_t K;
+  Written<int8_t> levels;
+  Written<float> scales, sums;
+  std::vector<int32_t> level_sums;
+  Written<int8_t> tiles;
+};
+#else
+struct RoundedX {};
+#endif
+
+// A product's weight: its row segments (each in its format, checked by the caller) taken apart once, so that a
+// registered decode stack (kvgen::decoder_stack) does not redo it at every step.
+struct Product {
+  // rows start .. start + rows - 1 of the product: `rows` rows of `row_bytes` bytes from w
+  struct Segment { int64_t format, start, rows, row_bytes; const uint8_t* w; };
+  std::vector<Segment> segments;
+  int64_t K = 0, N = 0;  // input features, output rows
+  bool rounded = false;  // some segment takes integer dot products: x rounded once for all of them
+  bool biased = false;  // and some of those adds a bias to its values (Q8_0): sums of each level needed
+  bool split = false;  // some segment is BF16, and every BF16 segment has a multiple of 16 rows (tdpbf16ps)
+};
+
+// the product of segments (format, rows, row_bytes and w given; start is set) of K input features
+Product make_product(std::vector<Product::Segment> segments, int64_t K);
+
+// A product's input rows (R of K values, ldx apart), prepared once for all its output rows: their sums
+// per group (formats with a min and no integer dot products) and their rounding (formats with them).
+struct ProductInput {
+  const float* x;
+  int64_t ldx, R;
+  std::vector<std::vector<float>> xsums;  // per segment
+  RoundedX rx;
+  int64_t split_rows = 0;  // the first rows split into bfloat16 parts for BF16 segments (split_bf16), or none
+  Written<uint16_t> parts;
+};
+
+ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R);
+
+// output rows n0..n1 of y (R, N), each segment's rows read where they are stored
+void product_rows(const Product& p, const ProductInput& in, int64_t n0, int64_t n1, float* yp);
+
+// output rows per parallel task: enough that a task streams a few kB of weights
+int64_t product_grain(const Product& p);
+
+// y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel
+void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp);
+
+// the formats whose products take integer dot products on this CPU (AVX-512 VNNI), else none
+std::vector<int64_t> integer_dot_formats();
+
+// the formats whose products of 16 input rows or more take AMX's tile products (the integer dot formats' sums 16 x 16
+// at a time; BF16 with the rows in three bfloat16 parts), else none
+std::vector<int64_t> tile_formats();
+
+// What a weight of a format holds (formats.cpp): each row K / block_values blocks of block_bytes (then a float32
+// scale where row_scale), rows in tiles of tile_rows; F32's rows may also be a float32 tensor (floats)
+struct FormatShape {
+  int64_t block_values, block_bytes, tile_rows;
+  bool row_scale, floats;
+};
+
+// false where this build has no kernel for the format
+bool format_shape(int64_t format, FormatShape* shape);
+
+// rows 0..N - 1 of a weight as float32 rows of K values, ld apart, exactly as gguf dequantizes them (rows in
+// parallel)
+void dequantize(int64_t format, const uint8_t* w, int64_t row_bytes, int64_t N, int64_t K, float* out, int64_t ld);
+
+// rows ids[0..n - 1] of a weight as float32 (n, K): an embedding lookup (a tiled row is decoded with its tile's 15
+// others)
+void embedding(int64_t format, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t n, int64_t K,
+               float* out);
+
+}  // namespace kvgen

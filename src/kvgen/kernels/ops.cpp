@@ -1,0 +1,441 @@
+// The torch ops (torch.ops.kvgen.*), registered with torch's dispatcher: the only file that knows torch's
+// tensors. Each op checks its tensors, takes their data apart into the plain arguments of dot.h, attention.h
+// and layer.h, and allocates what it returns. Built for this CPU and loaded by kvgen/kernels/__init__.py.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "attention.h"
+#include "dot.h"
+#include "layer.h"
+
+namespace kvgen {
+namespace {
+
+// a weight segment in `format` for K input features, checked: rows of blocks (a tiled format's rows contiguous, a
+// multiple of its tile); F32's rows may also be a float32 (N, K) tensor (a float model's own weight, read in place),
+// whose bytes they are
+Product::Segment segment(const at::Tensor& w, int64_t format, int64_t K) {
+  FormatShape shape;
+  TORCH_CHECK(format_shape(format, &shape), "kvgen: no kernel for weight format ", format);
+  const int64_t tile = shape.tile_rows;
+  TORCH_CHECK(tile == 1 || (w.size(0) % tile == 0 && w.is_contiguous()), "kvgen: a weight in tiles of ", tile,
+              " rows must be contiguous with a multiple of ", tile, " rows");
+  const bool floats = shape.floats && w.scalar_type() == at::kFloat;
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kByte || floats) && w.stride(1) == 1,
+              "kvgen: weight must be 2-D uint8 rows", shape.floats ? " or float32 rows" : "");
+  TORCH_CHECK(K % shape.block_values == 0, "kvgen: input features ", K, " are not a multiple of the block size ",
+              shape.block_values);
+  TORCH_CHECK(w.size(1) * w.element_size() == K / shape.block_values * shape.block_bytes + (shape.row_scale ? 4 : 0),
+              "kvgen: weight rows hold ", w.size(1) * w.element_size(), " bytes, not what ", K, " input features need");
+  return {format, 0, w.size(0), w.stride(0) * w.element_size(), static_cast<const uint8_t*>(w.const_data_ptr())};
+}
+
+// the product of the row segments ws[i] (each in formats[i]) of K input features; held (if given) takes the tensors
+Product product_of(at::TensorList ws, at::IntArrayRef formats, int64_t K, std::vector<at::Tensor>* held = nullptr) {
+  TORCH_CHECK(ws.size() == formats.size() && !ws.empty(), "kvgen: one format per weight segment");
+  std::vector<Product::Segment> segments;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    segments.push_back(segment(ws[i], formats[i], K));
+    if (held) held->push_back(ws[i]);
+  }
+  return make_product(std::move(segments), K);
+}
+
+// x (R, K) float32 rows times the row segments ws[i] (each in formats[i]) -> (R, sum of their rows)
+at::Tensor qmatmul_op(const at::Tensor& x, at::TensorList ws, at::IntArrayRef formats) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "kvgen: x must be (rows, K) float32");
+  const Product p = product_of(ws, formats, x.size(1));
+  at::Tensor y = at::empty({x.size(0), p.N}, x.options());
+  product_into(p, x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>());
+  return y;
+}
+
+// out (N, K) float32 rows (may be a row slice of a bigger buffer)
+void dequantize_op(at::Tensor out, const at::Tensor& w, int64_t format) {
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1, "kvgen: out must be (N, K) float32");
+  TORCH_CHECK(out.size(0) == w.size(0), "kvgen: out has ", out.size(0), " rows, the weight ", w.size(0));
+  const Product::Segment seg = segment(w, format, out.size(1));
+  dequantize(format, seg.w, seg.row_bytes, seg.rows, out.size(1), out.data_ptr<float>(), out.stride(0));
+}
+
+// rows ids of a packed (N, K) weight as float32 (n, K): an embedding lookup in one op
+at::Tensor embedding_op(const at::Tensor& w, const at::Tensor& ids, int64_t K, int64_t format) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "kvgen: embedding ids must be 1-D int64");
+  const at::Tensor idc = ids.contiguous();
+  const int64_t n = idc.size(0), N = w.size(0);
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK_INDEX(ip[i] >= 0 && ip[i] < N, "kvgen: token id ", ip[i], " is outside the embedding table's ", N,
+                      " rows");
+  at::Tensor out = at::empty({n, K}, w.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const Product::Segment seg = segment(w, format, K);
+  embedding(format, seg.w, seg.row_bytes, ip, n, K, op);
+  return out;
+}
+
+// x (rows, D) float32 contiguous -> x / sqrt(mean(x^2) + eps) * (weight + offset), one pass per row
+at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps, double offset) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && weight.scalar_type() == at::kFloat &&
+              weight.is_contiguous() && x.size(-1) == weight.numel(), "kvgen: rms_norm takes contiguous float32");
+  const int64_t D = weight.numel(), rows = x.numel() / D;
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  rms_rows(xp, wp, rows, D, eps, offset, yp);
+  return y;
+}
+
+// q (B, H, T, D), k and v (B, Hkv, S, D), mask: bool (B or 1, 1, T, S) or none -> (B, H, T, D) as a view of (B, T,
+// H, D) storage, so the caller's transpose + flatten is free (attention.cpp says what it computes)
+at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                        double scale, double softcap) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "kvgen: attention takes 4-D float32");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(D % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0,
+              "kvgen: attention needs a head size that is a multiple of 16 and contiguous heads");
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
+              v.size(3) == D, "kvgen: attention's keys and values must be (B, Hkv, S, D)");
+  const bool masked = mask.has_value() && mask->defined();
+  at::Tensor m;
+  if (masked) {
+    m = mask->contiguous();
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && (m.size(0) == B || m.size(0) == 1) &&
+                m.size(1) == 1 && m.size(2) == T && m.size(3) == S,
+                "kvgen: attention mask must be bool (B or 1, 1, T, S)");
+  }
+  at::Tensor out = at::empty({B, T, H, D}, q.options());
+  if (B == 0 || T == 0 || H == 0) return out.transpose(1, 2);
+  if (S == 0) return out.zero_().transpose(1, 2);
+  const uint8_t* mp = masked ? reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()) : nullptr;
+  const AttentionPlan plan = plan_attention(B, T, Hkv, H / Hkv, S, mp, masked ? m.size(0) : 1);
+  const AttentionArgs args{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                           v.stride(0), v.stride(1), v.stride(2), mp, T, S, H, H / Hkv, D, (float)scale, (float)softcap,
+                           out.data_ptr<float>()};
+  attend(plan, args);
+  return out.transpose(1, 2);
+}
+
+const float* data_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+// rms_norm(x) -> one fused q/k/v product -> optional RMSNorm of each query / key head (Qwen3,
+// Gemma 3) -> rotary on the query and key heads. x (B, T, hidden); cos/sin (B, T, D) with sin's first
+// half negated (rotated = x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary). Returns q (B,
+// H, T, D), k and v (B, Hkv, T, D), contiguous.
+std::vector<at::Tensor> decoder_attention_inputs_op(const at::Tensor& x, const at::Tensor& norm, double eps,
+                                                    at::TensorList ws, at::IntArrayRef formats, const at::Tensor& cos,
+                                                    const at::Tensor& sin, int64_t H, int64_t Hkv,
+                                                    const c10::optional<at::Tensor>& q_norm,
+                                                    const c10::optional<at::Tensor>& k_norm, double head_eps,
+                                                    double offset) {
+  TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+              cos.size(1) == x.size(1) && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "kvgen: decoder_attention_inputs takes x (B, T, hidden) and float32 cos/sin (B, T, D)");
+  const int64_t B = x.size(0), T = x.size(1), D = cos.size(2), R = B * T;
+  TORCH_CHECK(D % 32 == 0, "kvgen: decoder_attention_inputs needs a head size that is a multiple of 32, not ", D);
+  for (const auto* n : {&q_norm, &k_norm})
+    TORCH_CHECK(!n->has_value() || ((*n)->numel() == D && (*n)->is_contiguous() && (*n)->scalar_type() == at::kFloat),
+                "kvgen: a head norm holds D float32 weights");
+  const at::Tensor qkv = qmatmul_op(rms_norm_op(x.contiguous(), norm, eps, offset).view({R, x.size(2)}), ws, formats);  // (R, (H + 2 Hkv) D)
+  TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "kvgen: the q/k/v product has ", qkv.size(1), " features, not (",
+              H, " + 2 * ", Hkv, ") * ", D);
+  const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
+  at::Tensor q = at::empty({B, H, T, D}, x.options()), k = at::empty({B, Hkv, T, D}, x.options()),
+             v = at::empty({B, Hkv, T, D}, x.options());
+  rotate_heads(qkv.data_ptr<float>(), B, T, H, Hkv, D, c.data_ptr<float>(), sn.data_ptr<float>(),
+               data_or_null(q_norm), data_or_null(k_norm), head_eps, offset, {q.data_ptr<float>(), H * T * D, T * D, D},
+               {k.data_ptr<float>(), Hkv * T * D, T * D, D}, {v.data_ptr<float>(), Hkv * T * D, T * D, D}, 0,
+               H + 2 * Hkv);
+  return {q, k, v};
+}
+
+// act(g) * u of gate_up = [g, u] (..., 2 I) -> (..., I), as a gated MLP computes it: act 0 SiLU, 1 GELU (tanh)
+at::Tensor gated_activation_op(const at::Tensor& gate_up, int64_t act) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat && gate_up.is_contiguous() && gate_up.dim() >= 1 &&
+              gate_up.size(-1) % 2 == 0, "kvgen: gated_activation takes contiguous float32 (..., 2 I)");
+  TORCH_CHECK(act == 0 || act == 1, "kvgen: the activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
+  const int64_t I = gate_up.size(-1) / 2, R = I ? gate_up.numel() / (2 * I) : 0;
+  std::vector<int64_t> sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  at::Tensor m = at::empty(sizes, gate_up.options());
+  gated_rows(gate_up.data_ptr<float>(), R, I, act, m.data_ptr<float>());
+  return m;
+}
+
+// The weights of a decoder layer's MLP half, checked (held, if given, takes their tensors)
+MlpWeights mlp_weights(at::TensorList o, at::IntArrayRef o_formats, const c10::optional<at::Tensor>& post_attention,
+                       const at::Tensor& pre_feedforward, const c10::optional<at::Tensor>& post_feedforward,
+                       at::TensorList gate_up, at::IntArrayRef gate_up_formats, at::TensorList down,
+                       at::IntArrayRef down_formats, int64_t act, int64_t attn_width, int64_t hidden, double eps,
+                       double offset, std::vector<at::Tensor>* held = nullptr) {
+  TORCH_CHECK(act == 0 || act == 1, "kvgen: decoder_mlp's activation is 0 (SiLU) or 1 (GELU, tanh), not ", act);
+  for (const at::Tensor* n : {&pre_feedforward, post_attention ? &*post_attention : nullptr,
+                              post_feedforward ? &*post_feedforward : nullptr})
+    TORCH_CHECK(!n || (n->numel() == hidden && n->is_contiguous() && n->scalar_type() == at::kFloat),
+                "kvgen: decoder_mlp's norms hold hidden = ", hidden, " float32 weights");
+  MlpWeights w{product_of(o, o_formats, attn_width, held), product_of(gate_up, gate_up_formats, hidden, held), {},
+               data_or_null(post_attention), pre_feedforward.data_ptr<float>(), data_or_null(post_feedforward),
+               hidden, 0, act, eps, offset};
+  TORCH_CHECK(w.o.N == hidden, "kvgen: o has ", w.o.N, " rows, the hidden size is ", hidden);
+  TORCH_CHECK(w.gate_up.N % 2 == 0, "kvgen: gate/up has an odd number of rows (", w.gate_up.N, ")");
+  w.I = w.gate_up.N / 2;
+  w.down = product_of(down, down_formats, w.I, held);
+  TORCH_CHECK(w.down.N == hidden, "kvgen: down has ", w.down.N, " rows, the hidden size is ", hidden);
+  return w;
+}
+
+// h = x + post_attention(attn @ o^T); out = h + post_feedforward((act(g) * u) @ down^T) with
+// [g, u] = pre_feedforward(h) @ gate_up^T. act: 0 SiLU, 1 GELU (tanh). The post norms are Gemma's
+// sandwich norms (absent for Llama); every norm scales by weight + offset (Gemma: 1). x (B, T,
+// hidden) and attn (B, T, H * D).
+at::Tensor decoder_mlp_op(const at::Tensor& x, const at::Tensor& attn, at::TensorList o, at::IntArrayRef o_formats,
+                          const c10::optional<at::Tensor>& post_attention, const at::Tensor& pre_feedforward,
+                          const c10::optional<at::Tensor>& post_feedforward, double eps, at::TensorList gate_up,
+                          at::IntArrayRef gate_up_formats, at::TensorList down, at::IntArrayRef down_formats, int64_t act,
+                          double offset) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && attn.scalar_type() == at::kFloat && attn.dim() >= 1 &&
+              attn.numel() == x.size(0) * x.size(1) * attn.size(-1),
+              "kvgen: decoder_mlp takes x (B, T, hidden) and attn (B, T, features) float32");
+  const int64_t R = x.size(0) * x.size(1), hidden = x.size(2);
+  const MlpWeights w = mlp_weights(o, o_formats, post_attention, pre_feedforward, post_feedforward, gate_up,
+                                   gate_up_formats, down, down_formats, act, attn.size(-1), hidden, eps, offset);
+  const at::Tensor xc = x.contiguous(), ac = attn.contiguous();
+  at::Tensor scratch = at::empty({mlp_scratch_floats(w, R)}, x.options()), out = at::empty(x.sizes(), x.options());
+  decoder_mlp(w, xc.data_ptr<float>(), ac.data_ptr<float>(), R, scratch.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
+// A registered decode stack, and every tensor its pointers read with the storage it had and where its data was: a
+// tensor whose data is set anew (``param.data = ...``, ``module.to(...)``) keeps its object, so the stack must look
+// at the data
+struct Registered {
+  Stack stack;
+  std::vector<std::tuple<at::Tensor, c10::Storage, const void*>> held;
+
+  void hold(const at::Tensor& t) { held.emplace_back(t, t.storage(), t.const_data_ptr()); }
+  // whether a held tensor's data moved since registration (its old storage is kept alive: no dangling pointer)
+  bool moved() const {
+    for (const auto& [t, storage, data] : held)
+      if (t.const_data_ptr() != data) return true;
+    return false;
+  }
+};
+
+std::mutex g_stacks_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const Registered>> g_stacks;
+int64_t g_next_stack = 1;
+
+// each layer's first segment of a list of weight segments, counts[i] of them per layer, then the end
+std::vector<int64_t> firsts(at::TensorList ws, at::IntArrayRef formats, at::IntArrayRef counts, const char* what) {
+  TORCH_CHECK(formats.size() == ws.size(), "kvgen: decoder_stack takes one format per ", what, " segment");
+  std::vector<int64_t> out{0};
+  for (int64_t c : counts) {
+    TORCH_CHECK(c > 0, "kvgen: decoder_stack's layers each have at least one ", what, " segment");
+    out.push_back(out.back() + c);
+  }
+  TORCH_CHECK(out.back() == (int64_t)ws.size(), "kvgen: decoder_stack's ", what, " counts add up to ", out.back(),
+              " segments, not ", ws.size());
+  return out;
+}
+
+// Registers the weights of L decoder layers (layer i's weight segments: the next qkv_counts[i]
+// (o_counts[i], ...) tensors of qkv (o, ...)); returns the id kvgen::decoder_layers takes.
+int64_t decoder_stack_op(at::ArrayRef<double> scales, at::ArrayRef<double> softcaps, at::TensorList input_norms,
+                         const c10::List<c10::optional<at::Tensor>>& q_norms,
+                         const c10::List<c10::optional<at::Tensor>>& k_norms, at::TensorList qkv,
+                         at::IntArrayRef qkv_formats, at::IntArrayRef qkv_counts, at::TensorList o,
+                         at::IntArrayRef o_formats, at::IntArrayRef o_counts,
+                         const c10::List<c10::optional<at::Tensor>>& post_attention,
+                         at::TensorList pre_feedforward, const c10::List<c10::optional<at::Tensor>>& post_feedforward,
+                         at::TensorList gate_up, at::IntArrayRef gate_up_formats, at::IntArrayRef gate_up_counts,
+                         at::TensorList down, at::IntArrayRef down_formats, at::IntArrayRef down_counts, int64_t H,
+                         int64_t Hkv, double eps, double head_eps, double offset, int64_t act) {
+  const size_t L = input_norms.size();
+  for (size_t n : {scales.size(), softcaps.size(), q_norms.size(), k_norms.size(), qkv_counts.size(),
+                   o_counts.size(), post_attention.size(), pre_feedforward.size(), post_feedforward.size(),
+                   gate_up_counts.size(), down_counts.size()})
+    TORCH_CHECK(n == L, "kvgen: decoder_stack takes one entry per layer in every per-layer list (", L, " layers)");
+  TORCH_CHECK(L > 0 && H > 0 && Hkv > 0 && H % Hkv == 0, "kvgen: decoder_stack takes at least one layer, and ",
+              "query heads (", H, ") in groups of the key heads (", Hkv, ")");
+  const std::vector<int64_t> qkv_first = firsts(qkv, qkv_formats, qkv_counts, "q/k/v"),
+                             o_first = firsts(o, o_formats, o_counts, "o"),
+                             gate_up_first = firsts(gate_up, gate_up_formats, gate_up_counts, "gate/up"),
+                             down_first = firsts(down, down_formats, down_counts, "down");
+  auto registered = std::make_shared<Registered>();
+  Stack* const w = &registered->stack;
+  const int64_t hidden = input_norms[0].numel();
+  *w = Stack{{}, H, Hkv, 0, hidden, 0, eps, head_eps, offset};
+  std::vector<at::Tensor> held;  // the products' tensors
+  auto slice = [](auto list, const std::vector<int64_t>& first, size_t i) {
+    return list.slice(first[i], first[i + 1] - first[i]);
+  };
+  auto norm = [&](const c10::optional<at::Tensor>& t, int64_t n, const char* what) -> const float* {
+    if (!t.has_value()) return nullptr;
+    TORCH_CHECK(t->numel() == n && t->is_contiguous() && t->scalar_type() == at::kFloat, "kvgen: decoder_stack's ",
+                what, " norms hold ", n, " float32 weights");
+    registered->hold(*t);
+    return t->data_ptr<float>();
+  };
+  for (size_t i = 0; i < L; ++i) {
+    Product p = product_of(slice(qkv, qkv_first, i), slice(qkv_formats, qkv_first, i), hidden, &held);
+    const int64_t D = p.N / (H + 2 * Hkv);
+    TORCH_CHECK(D % 32 == 0 && D > 0 && p.N == (H + 2 * Hkv) * D && (i == 0 || D == w->D),
+                "kvgen: decoder_stack's q/k/v products have (H + 2 Hkv) D rows, D the same multiple of 32 in every "
+                "layer; layer ", i, " has ", p.N);
+    w->D = D;
+    const float* input = norm(input_norms[i], hidden, "input");
+    const float *qn = norm(q_norms.get(i), D, "query head"), *kn = norm(k_norms.get(i), D, "key head");
+    MlpWeights mlp = mlp_weights(slice(o, o_first, i), slice(o_formats, o_first, i), post_attention.get(i),
+                                 pre_feedforward[i], post_feedforward.get(i), slice(gate_up, gate_up_first, i),
+                                 slice(gate_up_formats, gate_up_first, i), slice(down, down_first, i),
+                                 slice(down_formats, down_first, i), act, H * D, hidden, eps, offset, &held);
+    for (const c10::optional<at::Tensor>& t : {post_attention.get(i), c10::optional<at::Tensor>(pre_feedforward[i]),
+                                               post_feedforward.get(i)})
+      if (t.has_value()) registered->hold(*t);
+    w->I = std::max(w->I, mlp.I);
+    w->layers.push_back({input, qn, kn, std::move(p), std::move(mlp), scales[i], softcaps[i]});
+  }
+  for (const at::Tensor& t : held) registered->hold(t);
+  std::lock_guard<std::mutex> lock(g_stacks_mutex);
+  g_stacks.emplace(g_next_stack, std::move(registered));
+  return g_next_stack++;
+}
+
+// forgets a registered stack (its tensors are released once no step runs it)
+void decoder_stack_free_op(int64_t id) {
+  std::lock_guard<std::mutex> lock(g_stacks_mutex);
+  g_stacks.erase(id);
+}
+
+// A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
+// calls per layer: for each layer i of registered stack `stack`, what decoder_attention_inputs_op
+// computes (rotary tables cos[tables[i]], sin[tables[i]]), its new keys and values written into the
+// last T of slots starts[i] .. ends[i] - 1 of keys[i] / values[i] (B, Hkv, slots, D: the cache's
+// buffers, room already made for them); attention of the queries over those slots with masks[i] (B
+// or 1, 1, T, ends[i] - starts[i]); what decoder_mlp computes. The same functions as those ops, in
+// the same order, so the two paths give the same bits; here on raw rows in one scratch allocation,
+// with every check made before the first layer, and one attention plan for the layers that attend
+// over as many slots without a mask (the ops' ATen calls, allocations and plans were ~25 us a layer,
+// a sixth of a SmolLM2 step on 2 cores). Returns an empty tensor, having done nothing, where a registered
+// tensor's data has moved since kvgen::decoder_stack (the caller registers the weights anew).
+at::Tensor decoder_layers_op(const at::Tensor& x0, at::TensorList cos, at::TensorList sin, at::IntArrayRef tables,
+                             at::TensorList keys, at::TensorList values, at::IntArrayRef starts, at::IntArrayRef ends,
+                             const c10::List<c10::optional<at::Tensor>>& masks, int64_t stack) {
+  std::shared_ptr<const Registered> found;
+  {
+    std::lock_guard<std::mutex> lock(g_stacks_mutex);
+    const auto it = g_stacks.find(stack);
+    TORCH_CHECK(it != g_stacks.end(), "kvgen: decoder_layers: no registered stack ", stack,
+                " (register the weights with kvgen::decoder_stack, and keep them until the last step)");
+    found = it->second;
+  }
+  if (found->moved()) return at::empty({0}, x0.options());  // nothing done: the caller registers the weights anew
+  const Stack& w = found->stack;
+  const size_t L = w.layers.size();
+  const int64_t H = w.H, Hkv = w.Hkv, D = w.D, hidden = w.hidden;
+  for (size_t n : {tables.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size()})
+    TORCH_CHECK(n == L, "kvgen: decoder_layers takes one entry per layer in every per-layer list (", L, " layers)");
+  TORCH_CHECK(x0.dim() == 3 && x0.scalar_type() == at::kFloat && x0.size(2) == hidden,
+              "kvgen: decoder_layers takes x (B, T, hidden = ", hidden, ") float32");
+  const int64_t B = x0.size(0), T = x0.size(1), R = B * T;
+  TORCH_CHECK(cos.size() == sin.size(), "kvgen: decoder_layers takes as many cos tables as sin tables");
+  std::vector<at::Tensor> cs, ss;
+  for (size_t j = 0; j < cos.size(); ++j) {
+    TORCH_CHECK(cos[j].dim() == 3 && cos[j].sizes() == sin[j].sizes() && cos[j].size(0) == B &&
+                cos[j].size(1) == T && cos[j].size(2) == D && cos[j].scalar_type() == at::kFloat &&
+                sin[j].scalar_type() == at::kFloat, "kvgen: decoder_layers' rotary tables are float32 (B, T, D)");
+    cs.push_back(cos[j].contiguous());
+    ss.push_back(sin[j].contiguous());
+  }
+  std::vector<at::Tensor> ms(L);
+  std::vector<const uint8_t*> mps(L);  // each layer's mask (B or 1, T, slots), or null: every slot allowed
+  for (size_t i = 0; i < L; ++i) {
+    TORCH_CHECK(0 <= tables[i] && tables[i] < (int64_t)cos.size(), "kvgen: decoder_layers' layer ", i,
+                " takes rotary table ", tables[i], " of ", cos.size());
+    for (const at::Tensor* kv : {&keys[i], &values[i]})
+      TORCH_CHECK(kv->dim() == 4 && kv->scalar_type() == at::kFloat && kv->size(0) == B && kv->size(1) == Hkv &&
+                  kv->size(3) == D && kv->stride(3) == 1 && 0 <= starts[i] && starts[i] + T <= ends[i] &&
+                  ends[i] <= kv->size(2), "kvgen: decoder_layers' keys and values of layer ", i, " must be float32 ",
+                  "(B, Hkv, slots, D) buffers with contiguous heads holding slots ", starts[i], " .. ", ends[i],
+                  " - 1, at least T = ", T, " of them");
+    const c10::optional<at::Tensor> mask = masks.get(i);
+    if (mask.has_value() && mask->defined()) {
+      ms[i] = mask->contiguous();
+      TORCH_CHECK(ms[i].scalar_type() == at::kBool && ms[i].dim() == 4 && (ms[i].size(0) == B || ms[i].size(0) == 1) &&
+                  ms[i].size(1) == 1 && ms[i].size(2) == T && ms[i].size(3) == ends[i] - starts[i],
+                  "kvgen: decoder_layers' mask of layer ", i, " must be bool (B or 1, 1, T, slots)");
+      mps[i] = reinterpret_cast<const uint8_t*>(ms[i].data_ptr<bool>());
+    }
+  }
+  if (R == 0) return x0.clone();
+  std::vector<const float*> cps, sps;
+  for (size_t j = 0; j < cos.size(); ++j) {
+    cps.push_back(cs[j].data_ptr<float>());
+    sps.push_back(ss[j].data_ptr<float>());
+  }
+  std::vector<LayerSlots> slots;
+  for (size_t i = 0; i < L; ++i) {
+    const at::Tensor &k = keys[i], &v = values[i];
+    slots.push_back({k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                     v.stride(1), v.stride(2), starts[i], ends[i], mps[i], mps[i] ? ms[i].size(0) : 1, tables[i]});
+  }
+  const int64_t threads = at::get_num_threads();
+  at::Tensor scratch = at::empty({decoder_layers_scratch(w, R, threads)}, x0.options()),
+             out = at::empty(x0.sizes(), x0.options());
+  const at::Tensor xc = x0.contiguous();
+  decoder_layers(w, xc.data_ptr<float>(), B, T, cps, sps, slots, threads, scratch.data_ptr<float>(),
+                 out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+}  // namespace kvgen
+
+TORCH_LIBRARY(kvgen, m) {
+  m.def("integer_dot_formats() -> int[]", kvgen::integer_dot_formats);
+  m.def("tile_formats() -> int[]", kvgen::tile_formats);
+  m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
+  m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
+  m.def("embedding(Tensor w, Tensor ids, int k, int format) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> Tensor");
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");
+  m.def("decoder_attention_inputs(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] formats, Tensor cos, "
+        "Tensor sin, int heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, float head_eps, float offset) -> Tensor[]");
+  m.def("decoder_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor? post_attention, "
+        "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
+        "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
+  m.def("gated_activation(Tensor gate_up, int act) -> Tensor");
+  m.def("decoder_stack(float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, "
+        "Tensor?[] k_norms, Tensor[] qkv, int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, "
+        "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, "
+        "Tensor[] gate_up, int[] gate_up_formats, int[] gate_up_counts, Tensor[] down, int[] down_formats, "
+        "int[] down_counts, int heads, int kv_heads, float eps, float head_eps, float offset, int act) -> int",
+        kvgen::decoder_stack_op);
+  m.def("decoder_stack_free(int stack) -> ()", kvgen::decoder_stack_free_op);
+  m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, int[] tables, Tensor[] keys, Tensor[] values, "
+        "int[] starts, int[] ends, Tensor?[] masks, int stack) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
+  m.impl("qmatmul", kvgen::qmatmul_op);
+  m.impl("dequantize_", kvgen::dequantize_op);
+  m.impl("embedding", kvgen::embedding_op);
+  m.impl("rms_norm", kvgen::rms_norm_op);
+  m.impl("attention", kvgen::attention_op);
+  m.impl("decoder_attention_inputs", kvgen::decoder_attention_inputs_op);
+  m.impl("decoder_mlp", kvgen::decoder_mlp_op);
+  m.impl("decoder_layers", kvgen::decoder_layers_op);
+  m.impl("gated_activation", kvgen::gated_activation_op);
+}
