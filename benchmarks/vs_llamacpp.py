@@ -8,15 +8,25 @@ without AMX: that version's AMX matrix product crashes on a Xeon with AMX (an in
 configuration: SIGILL or SIGSEGV at its first tile instruction; llama.cpp PR 26954, open), so an x86 build
 takes ``-mno-amx-tile -mno-amx-int8 -mno-amx-bf16`` (no change on CPUs without AMX).
 
-For each model (SmolLM2-135M Q4_1, Gemma 3 270M Q4_K_M) and thread count (1, 2), kvgen and
-llama-bench alternate in fresh processes, ``--rounds`` times:
+For each model and thread count (1, 2), kvgen and llama-bench alternate in fresh processes, ``--rounds`` times.
+The models: the packaged SmolLM2-135M (Q4_1) and Gemma 3 270M (Q4_K_M), the real Qwen2.5-Coder-0.5B-Instruct
+(``coder``: mostly Q5_0) and random-weight files in the shapes of Qwen2.5 0.5B-7B and Llama 3 1B-8B, quantized to
+Q4_K_M or Q8_0 by ``llama-quantize`` (``qwen2.5-1.5b:q4_k_m``; ``model_files.py``). Measured:
 
 * prefill: 512 prompt tokens (llama-bench ``-p 512 -n 0``), after one untimed prefill of as many, the mean
   rate of 3 repetitions on each side (llama-bench ``-r 3``);
 * decode: 128 tokens after a 512-token prompt, batch 1 (llama-bench ``-p 0 -n 128 -d 512``);
   kvgen also at batch 4. Both feed random tokens and compute every step's logits without sampling
   (llama-bench's generation test draws its tokens with ``rand()``);
-* peak RSS of each process (``wait4``).
+* peak RSS of each process (its ``VmHWM``: llama-bench's read while it runs, as ``ru_maxrss`` carries the size of
+  the process that started it);
+* load time: llama-bench's wall time for a 1-token prompt (``-p 1 -n 0 -r 1``: load, warm-up and one token), and
+  kvgen's ``from_pretrained`` plus a 1-token forward in its worker (after ``import torch``), the file in the page
+  cache (a second load).
+
+``--baseline SRC`` adds a third side: the kvgen of another source tree (a ``git worktree`` of main), whose worker
+runs in each round beside this one's, so a change is measured before and after in one run (``baseline_ratio``).
+``--reps`` sets the timed repetitions (3, as llama-bench's ``-r 3``; 1 for the 7-8B models' long prefills).
 
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
 plus the keys and values attended to) over the rate at which the worker reads a buffer of as many
@@ -26,8 +36,9 @@ taken before the probe's buffer exists). Until 2026-11-27 the buffer was 256 MB 
 alone: on a Xeon with 480 MB of L3 that understates the rate at a decode step's size. Writes
 ``benchmarks/results/vs_llamacpp.json`` and ``vs_llamacpp.png``.
 
-    python benchmarks/vs_llamacpp.py                      # both models, 1 and 2 threads, 3 rounds
-    python benchmarks/vs_llamacpp.py --models smollm2 --threads 2 --rounds 1
+    python benchmarks/vs_llamacpp.py                      # SmolLM2 and Gemma 3, 1 and 2 threads, 3 rounds
+    python benchmarks/vs_llamacpp.py --models smollm2 --threads 2 --rounds 1 --baseline /tmp/main/src
+    python benchmarks/vs_llamacpp.py --models coder,qwen2.5-1.5b:q4_k_m,llama3.1-8b:q8_0 --reps 1 --rounds 1
 """
 
 from __future__ import annotations
@@ -40,13 +51,14 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CACHE = Path(os.environ.get("KVGEN_BENCH_CACHE", Path.home() / ".cache" / "kvgen-bench")) / "llamacpp"
 PROMPT, NEW, BATCHES = 512, 128, (1, 4)
-REPS = 3  # timed repetitions of each test, as llama-bench -r 3
+REPS = 3  # timed repetitions of each test, as llama-bench -r 3 (--reps)
 
 
 def llama_bench() -> Path:
@@ -55,7 +67,8 @@ def llama_bench() -> Path:
 
 
 def llama_cpp_tool(name: str) -> Path:
-    """Path of llama.cpp's ``llama-bench`` or ``llama-server``, building both on first use (~15 minutes)."""
+    """Path of llama.cpp's ``llama-bench``, ``llama-server`` or ``llama-quantize``, building the three on first use
+    (~15 minutes)."""
     binaries = sorted(CACHE.glob(f"llama_cpp_python-*/vendor/llama.cpp/build/bin/{name}"))
     if binaries:
         return binaries[-1]
@@ -68,34 +81,56 @@ def llama_cpp_tool(name: str) -> Path:
     if not source.exists():
         with tarfile.open(archive) as tar:
             tar.extractall(CACHE, filter="data")
-    print(f"building llama-bench and llama-server in {source} (about 15 minutes)", file=sys.stderr)
+    print(f"building llama-bench, llama-server and llama-quantize in {source} (about 15 minutes)", file=sys.stderr)
     no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if platform.machine() in ("x86_64", "AMD64") else ""
     subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
                     f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"], cwd=source, check=True)
-    subprocess.run(["cmake", "--build", "build", "--target", "llama-bench", "llama-server",
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-bench", "llama-server", "llama-quantize",
                     "-j", str(os.cpu_count() or 1)], cwd=source, check=True)
     return source / "build" / "bin" / name
 
 
-def run_measured(command: list[str]) -> tuple[str, float]:
-    """(stdout, peak RSS in MB) of a command run to completion."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def run_measured(command: list[str], env: dict | None = None) -> tuple[str, float, float]:
+    """(stdout, peak RSS in MB, wall seconds) of a command run to completion. The peak is the process's own
+    ``VmHWM``, read every 10 ms while it runs (a new mapping at exec starts it afresh; ``ru_maxrss`` would carry
+    this process's size over the fork)."""
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    peak = [0.0]
+
+    def watch():
+        status = Path(f"/proc/{process.pid}/status")
+        while process.poll() is None:
+            try:
+                line = next(x for x in status.read_text().splitlines() if x.startswith("VmHWM:"))
+                peak[0] = max(peak[0], int(line.split()[1]) / 1024)
+            except (OSError, StopIteration):
+                pass
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     out = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
+    process.wait()
+    seconds = time.perf_counter() - start
+    watcher.join()
     if process.returncode != 0:
         raise RuntimeError(f"{command[0]} failed with status {process.returncode}")
-    return out, usage.ru_maxrss / 1024
+    return out, peak[0], seconds
 
 
 def llamacpp(binary: Path, model: Path, threads: int) -> dict:
-    prefill, rss_p = run_measured([str(binary), "-m", str(model), "-p", str(PROMPT), "-n", "0", "-t", str(threads),
-                                   "-r", str(REPS), "-o", "json"])
-    decode, rss_d = run_measured([str(binary), "-m", str(model), "-p", "0", "-n", str(NEW), "-d", str(PROMPT),
-                                  "-t", str(threads), "-r", str(REPS), "-o", "json"])
-    return {"prefill_tok_s": json.loads(prefill)[0]["avg_ts"], "decode_tok_s": {"1": json.loads(decode)[0]["avg_ts"]},
-            "peak_rss_mb": max(rss_p, rss_d)}
+    prefill, rss_p, _ = run_measured([str(binary), "-m", str(model), "-p", str(PROMPT), "-n", "0", "-t", str(threads),
+                                      "-r", str(REPS), "-o", "json"])
+    decode, rss_d, _ = run_measured([str(binary), "-m", str(model), "-p", "0", "-n", str(NEW), "-d", str(PROMPT),
+                                     "-t", str(threads), "-r", str(REPS), "-o", "json"])
+    _, _, load = run_measured([str(binary), "-m", str(model), "-p", "1", "-n", "0", "-r", "1", "-t", str(threads),
+                               "-o", "json"])
+    info = json.loads(prefill)[0]
+    return {"prefill_tok_s": info["avg_ts"], "decode_tok_s": {"1": json.loads(decode)[0]["avg_ts"]},
+            "peak_rss_mb": max(rss_p, rss_d), "load_s": load, "parameters": info["model_n_params"],
+            "file_bytes": info["model_size"]}
 
 
 def attended_kv_bytes(model, cache, context: float) -> float:
@@ -119,10 +154,14 @@ def kvgen_worker(model: str, threads: int) -> dict:
     from kvgen import AutoModelForCausalLM, DynamicCache
     from kvgen.bench import peak_rss_mb
 
+    start = time.perf_counter()
     m = AutoModelForCausalLM.from_pretrained(model)
+    with torch.no_grad():
+        m(torch.tensor([[100]]))
+    load = time.perf_counter() - start
     vocab = m.config.vocab_size
     ids = torch.randint(100, min(vocab, 30000), (1, PROMPT), generator=torch.Generator().manual_seed(0))
-    result = {"weight_format": m.weight_format, "decode_tok_s": {}, "step_bytes": {}}
+    result = {"weight_format": m.weight_format, "decode_tok_s": {}, "step_bytes": {}, "load_s": load}
     weights = sum(b.numel() * b.element_size() for b in m.buffers() if b.dtype == torch.uint8) + \
         sum(p.numel() * p.element_size() for p in m.parameters())  # bytes a decode step streams
     with torch.no_grad():
@@ -217,79 +256,117 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def models() -> dict[str, Path]:
-    from kvgen.loading.default_model import default_gguf_path, gemma3_gguf_path
+def model_path(name: str) -> Path:
+    """The GGUF of a model name: ``smollm2``, ``gemma3`` (packaged), ``coder`` (Qwen2.5-Coder-0.5B-Instruct) or a
+    random-weight ``<shape>:<format>`` file (model_files.py), built on first use."""
+    from model_files import coder_file, model_file
 
-    return {"smollm2": default_gguf_path(), "gemma3": gemma3_gguf_path()}
+    if name in ("smollm2", "gemma3"):
+        from kvgen.loading.default_model import default_gguf_path, gemma3_gguf_path
+
+        return default_gguf_path() if name == "smollm2" else gemma3_gguf_path()
+    return coder_file() if name == "coder" else model_file(name)
 
 
 def chart(results: dict, path: Path) -> None:
+    """kvgen's decode and prefill rates over llama.cpp's against the models' sizes, a line per thread count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = results["rows"]
-    labels = [f"{r['model']}\n{r['threads']} thr" for r in rows]
-    x = range(len(rows))
-    for ax, key, title in ((axes[0], "decode", "decode, batch 1 (tok/s)"), (axes[1], "prefill", "prefill 512 (tok/s)")):
-        ours = [r["kvgen"][f"{key}_tok_s"]["1"] if key == "decode" else r["kvgen"]["prefill_tok_s"] for r in rows]
-        theirs = [r["llamacpp"][f"{key}_tok_s"]["1"] if key == "decode" else r["llamacpp"]["prefill_tok_s"]
-                  for r in rows]
-        ax.bar([i - 0.2 for i in x], ours, 0.4, label="kvgen")
-        ax.bar([i + 0.2 for i in x], theirs, 0.4, label="llama.cpp (llama-bench)")
-        ax.set_xticks(list(x), labels)
+    for ax, key, title in ((axes[0], "decode_ratio", "decode, batch 1"), (axes[1], "prefill_ratio", "prefill 512")):
+        for threads in sorted({r["threads"] for r in rows}):
+            mine = sorted((r for r in rows if r["threads"] == threads), key=lambda r: r["parameters"])
+            ax.plot([r["parameters"] / 1e9 for r in mine], [r[key] for r in mine], "o-", label=f"{threads} thread(s)")
+            for r in mine:
+                ax.annotate(r["model"], (r["parameters"] / 1e9, r[key]), fontsize=7, rotation=20,
+                            textcoords="offset points", xytext=(3, 3))
+        ax.axhline(1.0, color="gray", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("parameters (billions)")
+        ax.set_ylabel("kvgen / llama.cpp (tok/s)")
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(f"same GGUF files, {results['cpu']}")
+    fig.suptitle(f"kvgen against llama-bench on the same GGUF files, {results['cpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def main() -> None:
+    global REPS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="smollm2,gemma3")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--name", default="vs_llamacpp", help="the results' file name (json and png)")
+    parser.add_argument("--reps", type=int, default=REPS)
+    parser.add_argument("--baseline", help="a kvgen source tree (its src folder) to run beside this one")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="join the rows of earlier runs into --name")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    REPS = args.reps
     if args.worker:
         print(json.dumps(kvgen_worker(args.worker[0], int(args.worker[1]))))
         return
+    if args.merge:
+        runs = [json.loads(Path(path).read_text()) for path in args.merge]
+        return write(args, {"cpu": runs[0]["cpu"], "lscpu_flags": runs[0].get("lscpu_flags"),
+                            "load_average": [run["load_average"] for run in runs], "merged": args.merge,
+                            "rows": [row for run in runs for row in run["rows"]]})
     binary = llama_bench()
-    paths = models()
+    sides = {"kvgen": None} | ({"baseline": args.baseline} if args.baseline else {})
     rows = []
     for name in args.models.split(","):
+        path = model_path(name)
         for threads in map(int, args.threads.split(",")):
-            ours, theirs = [], []
+            runs = {side: [] for side in [*sides, "llamacpp"]}
             for _ in range(args.rounds):  # alternating, fresh processes
-                out, _ = run_measured([sys.executable, __file__, "--worker", str(paths[name]), str(threads)])
-                run = json.loads(out)
-                # the higher of the bandwidths read just before and just after the batch-1 steps: the roofline is
-                # not flattered by a dip (read in processes of their own until 2026-11-27: seconds from the steps)
-                run["read_bandwidth"] = max(run["read_bandwidths"])
-                run["roofline"] = {batch: run["step_bytes"][batch] * run["decode_tok_s"][batch] / int(batch)
-                                   / run["read_bandwidth"] for batch in run["step_bytes"]}
-                ours.append(run)
-                theirs.append(llamacpp(binary, paths[name], threads))
-            row = {"model": name, "file": paths[name].name, "threads": threads,
-                   "kvgen": _median(ours), "llamacpp": _median(theirs), "rounds": {"kvgen": ours, "llamacpp": theirs}}
+                for side, source in sides.items():
+                    runs[side].append(kvgen_run(path, threads, source))
+                runs["llamacpp"].append(llamacpp(binary, path, threads))
+            row = {"model": name, "file": path.name, "threads": threads, "reps": REPS,
+                   **{side: _median(r) for side, r in runs.items()}, "rounds": runs}
+            row["parameters"], row["file_bytes"] = row["llamacpp"]["parameters"], row["llamacpp"]["file_bytes"]
             row["decode_ratio"] = row["kvgen"]["decode_tok_s"]["1"] / row["llamacpp"]["decode_tok_s"]["1"]
             row["prefill_ratio"] = row["kvgen"]["prefill_tok_s"] / row["llamacpp"]["prefill_tok_s"]
+            if args.baseline:
+                row["baseline_ratio"] = {key: row["kvgen"][key]["1"] / row["baseline"][key]["1"]
+                                         if key == "decode_tok_s" else row["kvgen"][key] / row["baseline"][key]
+                                         for key in ("decode_tok_s", "prefill_tok_s")}
             rows.append(row)
-            print(f"{name} t={threads}: decode {row['kvgen']['decode_tok_s']['1']:.1f} vs "
-                  f"{row['llamacpp']['decode_tok_s']['1']:.1f} tok/s ({row['decode_ratio']:.2f}x, "
-                  f"{row['kvgen']['roofline']['1']:.0%} of roofline), batch 4 {row['kvgen']['decode_tok_s']['4']:.1f}; "
-                  f"prefill {row['kvgen']['prefill_tok_s']:.0f} vs {row['llamacpp']['prefill_tok_s']:.0f} tok/s "
-                  f"({row['prefill_ratio']:.2f}x); peak RSS {row['kvgen']['peak_rss_mb']:.0f} vs "
-                  f"{row['llamacpp']['peak_rss_mb']:.0f} MB", flush=True)
-    results = {"cpu": _cpu(), "load_average": os.getloadavg(), "rows": rows}
+            k, ll = row["kvgen"], row["llamacpp"]
+            print(f"{name} t={threads}: decode {k['decode_tok_s']['1']:.1f} vs {ll['decode_tok_s']['1']:.1f} tok/s "
+                  f"({row['decode_ratio']:.2f}x, {k['roofline']['1']:.0%} of roofline), batch 4 "
+                  f"{k['decode_tok_s']['4']:.1f}; prefill {k['prefill_tok_s']:.1f} vs {ll['prefill_tok_s']:.1f} tok/s "
+                  f"({row['prefill_ratio']:.2f}x); peak RSS {k['peak_rss_mb']:.0f} vs {ll['peak_rss_mb']:.0f} MB; "
+                  f"load {k['load_s']:.2f} vs {ll['load_s']:.2f} s"
+                  + (f"; against the baseline: decode {row['baseline_ratio']['decode_tok_s']:.3f}x, prefill "
+                     f"{row['baseline_ratio']['prefill_tok_s']:.3f}x" if args.baseline else ""), flush=True)
+    write(args, {"cpu": _cpu(), "lscpu_flags": _cpu_flags(), "load_average": os.getloadavg(), "rows": rows})
+
+
+def write(args, results: dict) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vs_llamacpp.json").write_text(json.dumps(results, indent=1) + "\n")
-    chart(results, out / "vs_llamacpp.png")
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=1) + "\n")
+    chart(results, out / f"{args.name}.png")
+
+
+def kvgen_run(path: Path, threads: int, source: str | None) -> dict:
+    """One kvgen worker in a fresh process (the kvgen of ``source``, a src folder, where given), with its roofline."""
+    env = os.environ | {"PYTHONPATH": source} if source else None
+    out, _, _ = run_measured([sys.executable, __file__, "--reps", str(REPS), "--worker", str(path), str(threads)], env)
+    run = json.loads(out)
+    # the higher of the bandwidths read just before and just after the batch-1 steps: the roofline is
+    # not flattered by a dip (read in processes of their own until 2026-11-27: seconds from the steps)
+    run["read_bandwidth"] = max(run["read_bandwidths"])
+    run["roofline"] = {batch: run["step_bytes"][batch] * run["decode_tok_s"][batch] / int(batch)
+                       / run["read_bandwidth"] for batch in run["step_bytes"]}
+    return run
 
 
 def _median(runs: list[dict]) -> dict:
@@ -304,6 +381,13 @@ def _median(runs: list[dict]) -> dict:
         else:
             out[key] = value
     return out
+
+
+def _cpu_flags() -> str:
+    """The vector extensions lscpu lists (what a speed claim holds on)."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
+    return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def _cpu() -> str:
