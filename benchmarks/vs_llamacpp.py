@@ -269,7 +269,8 @@ def model_path(name: str) -> Path:
 
 
 def chart(results: dict, path: Path) -> None:
-    """kvgen's decode and prefill rates over llama.cpp's against the models' sizes, a line per thread count."""
+    """kvgen's decode and prefill rates over llama.cpp's against the models' sizes, a line per thread count and
+    format (the part of a model's name after ``:``; a named model on its own)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,18 +279,18 @@ def chart(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = results["rows"]
     for ax, key, title in ((axes[0], "decode_ratio", "decode, batch 1"), (axes[1], "prefill_ratio", "prefill 512")):
-        for threads in sorted({r["threads"] for r in rows}):
-            mine = sorted((r for r in rows if r["threads"] == threads), key=lambda r: r["parameters"])
-            ax.plot([r["parameters"] / 1e9 for r in mine], [r[key] for r in mine], "o-", label=f"{threads} thread(s)")
-            for r in mine:
-                ax.annotate(r["model"], (r["parameters"] / 1e9, r[key]), fontsize=7, rotation=20,
-                            textcoords="offset points", xytext=(3, 3))
+        kinds = sorted({(r["threads"], r["model"].partition(":")[2] or r["model"]) for r in rows})
+        for threads, kind in kinds:
+            mine = sorted((r for r in rows if (r["threads"], r["model"].partition(":")[2] or r["model"]) ==
+                           (threads, kind)), key=lambda r: r["parameters"])
+            ax.plot([r["parameters"] / 1e9 for r in mine], [r[key] for r in mine], "o-" if threads == 1 else "s--",
+                    label=f"{kind}, {threads} thread(s)")
         ax.axhline(1.0, color="gray", linewidth=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("parameters (billions)")
         ax.set_ylabel("kvgen / llama.cpp (tok/s)")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle(f"kvgen against llama-bench on the same GGUF files, {results['cpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
