@@ -42,7 +42,7 @@ class Shape:
         return self.hidden // self.heads
 
     def parameters(self) -> int:
-        d, kv = self.head_dim, self.kv_heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
         layer = self.hidden * (self.hidden + 2 * kv) + self.hidden * self.hidden + 3 * self.hidden * self.intermediate
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * layer
 

@@ -279,10 +279,11 @@ def chart(results: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = results["rows"]
     for ax, key, title in ((axes[0], "decode_ratio", "decode, batch 1"), (axes[1], "prefill_ratio", "prefill 512")):
-        kinds = sorted({(r["threads"], r["model"].partition(":")[2] or r["model"]) for r in rows})
-        for threads, kind in kinds:
-            mine = sorted((r for r in rows if (r["threads"], r["model"].partition(":")[2] or r["model"]) ==
-                           (threads, kind)), key=lambda r: r["parameters"])
+        def line(r):  # (threads, format), a named model on its own
+            return r["threads"], r["model"].partition(":")[2] or r["model"]
+
+        for threads, kind in sorted({line(r) for r in rows}):
+            mine = sorted((r for r in rows if line(r) == (threads, kind)), key=lambda r: r["parameters"])
             ax.plot([r["parameters"] / 1e9 for r in mine], [r[key] for r in mine], "o-" if threads == 1 else "s--",
                     label=f"{kind}, {threads} thread(s)")
         ax.axhline(1.0, color="gray", linewidth=0.8)
@@ -335,9 +336,9 @@ def main() -> None:
             row["decode_ratio"] = row["kvgen"]["decode_tok_s"]["1"] / row["llamacpp"]["decode_tok_s"]["1"]
             row["prefill_ratio"] = row["kvgen"]["prefill_tok_s"] / row["llamacpp"]["prefill_tok_s"]
             if args.baseline:
-                row["baseline_ratio"] = {key: row["kvgen"][key]["1"] / row["baseline"][key]["1"]
-                                         if key == "decode_tok_s" else row["kvgen"][key] / row["baseline"][key]
-                                         for key in ("decode_tok_s", "prefill_tok_s")}
+                new, old = row["kvgen"], row["baseline"]
+                row["baseline_ratio"] = {"decode_tok_s": new["decode_tok_s"]["1"] / old["decode_tok_s"]["1"],
+                                         "prefill_tok_s": new["prefill_tok_s"] / old["prefill_tok_s"]}
             rows.append(row)
             k, ll = row["kvgen"], row["llamacpp"]
             print(f"{name} t={threads}: decode {k['decode_tok_s']['1']:.1f} vs {ll['decode_tok_s']['1']:.1f} tok/s "
@@ -386,17 +387,21 @@ def _median(runs: list[dict]) -> dict:
 
 def _cpu_flags() -> str:
     """The vector extensions lscpu lists (what a speed claim holds on)."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), [])
+    flags = _lscpu_field("Flags", "").split()
     return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
 
 
 def _cpu() -> str:
+    return _lscpu_field("Model name", platform.processor())
+
+
+def _lscpu_field(name: str, default: str) -> str:
+    """A field of ``lscpu``'s output, or ``default`` where there is none."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
+    except OSError:
+        return default
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith(name)), default)
 
 
 if __name__ == "__main__":
