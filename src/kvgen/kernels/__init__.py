@@ -6,8 +6,10 @@ The sources are split by idea, as llama.cpp's CPU backend is:
 * ``parallel.h``: the threads (torch's own pool);
 * ``formats.h``, ``formats.cpp``: the weight formats (GGUF blocks, kvgen's int8/int4, float rows), their
   decoding and dequantization;
-* ``tiles.h``: the same blocks in tiles of 16 rows, and their integer groups for ``vpdpbusd``;
-* ``dot.h``, ``dot.cpp``, ``amx.h``: the matrix products (rows, tiles, integer dot products, Intel's tile unit);
+* ``tiles.h``, ``tiles2.h``: the same blocks in tiles of 16 rows, and their integer groups for ``vpdpbusd``
+  (AVX-512 VNNI) and for ``vpmaddubsw`` (AVX2 without it);
+* ``dot.h``, ``dot.cpp``, ``dot2.h``, ``amx.h``: the matrix products (rows, tiles, integer dot products: AVX-512
+  VNNI, AVX2, Intel's tile unit);
 * ``attention.h``, ``attention.cpp``: attention over dense and paged keys and values;
 * ``layer.h``, ``layer.cpp``: norms, rotary, the gated MLP, a decode step's stack of layers;
 * ``ops.cpp``: the torch ops (``torch.ops.kvgen.*``), the only file that knows torch's tensors.
@@ -134,8 +136,15 @@ def unavailable_reason() -> str | None:
 
 @functools.cache
 def integer_dot_formats() -> frozenset[int]:
-    """Weight formats whose products take integer dot products on this CPU (AVX-512 VNNI); empty elsewhere."""
+    """Weight formats whose products take integer dot products on this CPU (AVX-512 VNNI; AVX2 without it: the 4-6-bit
+    formats in tiles but Q5_0); empty elsewhere."""
     return frozenset(torch.ops.kvgen.integer_dot_formats()) if kernels_available() else frozenset()
+
+
+@functools.cache
+def integer_dot_instruction() -> str:
+    """The instruction of those products: ``"vpdpbusd"`` (AVX-512 VNNI), ``"vpmaddubsw"`` (AVX2) or ``""``."""
+    return torch.ops.kvgen.integer_dot_instruction() if kernels_available() else ""
 
 
 @functools.cache

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "dot2.h"
 #include "formats.h"
 #include "parallel.h"
 #include "tiles.h"
@@ -255,10 +256,10 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
                   const Written<uint16_t>& parts, int64_t split_rows, const uint8_t* w, int64_t row_bytes,
                   int64_t n0, int64_t n1, int64_t K, float* y, int64_t ldy) {
   const int64_t xld = group_sums_ld<T>(K);
-#if defined(KVGEN_DOT8)
+#if defined(KVGEN_DOTS)
   if constexpr (has_dot<T>()) {  // the tiles whose first row lies in n0..n1, 16 rows of x at a time while there
     // are as many, else 1-8 (each unpacked block serves twice the rows of 8: 512-row products 3-14% faster on Zen
-    // 4; 24 or 32 rows no faster)
+    // 4; 24 or 32 rows no faster); AVX2: 1-4 (16 registers)
     // over runs of tiles of ~256 kB, so that many rows (a prefill) read each run from L2, not memory
     // (with AMX: all but the last R % 16 rows in tiles of 16 by 16)
     int64_t tile_unit_rows = 0;
@@ -271,16 +272,25 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
     for (int64_t t0 = (n0 + 15) / 16, t1 = (n1 + 15) / 16; t0 < t1; t0 += run)
       for (int64_t r = tile_unit_rows, t = std::min(t0 + run, t1), rows; r < R; r += rows) {
         float* yr = y + r * ldy;
-        switch (rows = R - r >= 16 ? 16 : std::min<int64_t>(8, R - r)) {
+#if defined(KVGEN_DOT8)
+        rows = R - r >= 16 ? 16 : std::min<int64_t>(8, R - r);
+#else
+        rows = std::min<int64_t>(4, R - r);
+#endif
+        switch (rows) {
           case 1: matmul_tiles_dot<T, 1>(rx, r, w, t0, t, yr, ldy); break;
           case 2: matmul_tiles_dot<T, 2>(rx, r, w, t0, t, yr, ldy); break;
           case 3: matmul_tiles_dot<T, 3>(rx, r, w, t0, t, yr, ldy); break;
+#if defined(KVGEN_DOT8)
           case 4: matmul_tiles_dot<T, 4>(rx, r, w, t0, t, yr, ldy); break;
           case 5: matmul_tiles_dot<T, 5>(rx, r, w, t0, t, yr, ldy); break;
           case 6: matmul_tiles_dot<T, 6>(rx, r, w, t0, t, yr, ldy); break;
           case 7: matmul_tiles_dot<T, 7>(rx, r, w, t0, t, yr, ldy); break;
           case 8: matmul_tiles_dot<T, 8>(rx, r, w, t0, t, yr, ldy); break;
           default: matmul_tiles_dot<T, 16>(rx, r, w, t0, t, yr, ldy); break;
+#else
+          default: matmul_tiles_dot<T, 4>(rx, r, w, t0, t, yr, ldy); break;
+#endif
         }
       }
     return;
@@ -378,7 +388,7 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
       using T = decltype(t);
       if constexpr (!has_dot<T>()) in.xsums[i] = group_sums<T>(xp, ldx, R, p.K);
     });
-#if defined(KVGEN_DOT8)
+#if defined(KVGEN_DOTS)
   if (p.rounded) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
 #endif
 #if defined(KVGEN_AMX_BF16)
@@ -413,8 +423,20 @@ void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, flo
 std::vector<int64_t> integer_dot_formats() {
 #if defined(KVGEN_DOT8)
   return {2002, 2003, 2006, 2008, 2012, 2014, 3008, 3032, 3064, 3128};
+#elif defined(KVGEN_DOT2)
+  return {2002, 2003, 2012, 2014};
 #else
   return {};
+#endif
+}
+
+std::string integer_dot_instruction() {
+#if defined(KVGEN_DOT8)
+  return "vpdpbusd";
+#elif defined(KVGEN_DOT2)
+  return "vpmaddubsw";
+#else
+  return "";
 #endif
 }
 

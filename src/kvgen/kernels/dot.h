@@ -8,14 +8,27 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "simd.h"
 
 namespace kvgen {
 
-#if defined(KVGEN_DOT8)
-// the input rows, rounded for the integer dot products (dot.cpp's round_x): levels (R, 3, K) int8, scales (R, K /
+#if defined(KVGEN_DOTS)
+// ---- Integer dot products for the tiled formats: AVX-512 VNNI's vpdpbusd (4-6 bits; Q8_0's values + 128 as unsigned
+// bytes, 128 * sum(X) subtracted again in int32) or AVX2's vpmaddubsw (4-6 bits: dot2.h). The float32 path (dot.cpp's
+// matmul_tiles) needs one multiply-add per weight and input row after widening each value to float32: one thread
+// ran compute-bound at 10-14 GB/s of stored bytes (Zen 4). Here the input rows are rounded to 21 bits and a sign per
+// block of 32 values, x~ = X * s with s = max|x| / (127 * 2^14) and X split into three int8 levels X = X1 * 2^14 +
+// X2 * 2^7 + X3, and each group's sum(q * X) is three exact integer dot products of the unsigned stored values with
+// the levels (vpdpbusd: 4 products a lane per instruction; vpmaddubsw: 2, summed in int16 while they fit), combined
+// exactly, rounded once: d * s * sum(q * X) + m * sum(x~) per row. So the product is W @ x~ up to float32 rounding;
+// x~ differs from x by at most max|x| / 2^22 per block (float32 itself rounds at 2^-24 of each value).
+constexpr float XQ_MAX = 127.0f * 16384.0f;
+
+// the input rows, rounded for the integer dot products (dot.cpp's round_x): levels (R, 3, K) int8 (with AVX2's
+// vpmaddubsw, each 4 values in the order 0, 2, 1, 3: simd.h's Quads), scales (R, K /
 // 32), sums of x~ per 16 values (R, K / 16), sums of each level per 32 values (R, 3, K / 32; only where asked: Q8_0's
 // and int8's bias needs them; zero for the first tile_rows rows) and, for AMX's tile loads (tile_rows > 0), the
 // levels of the first tile_rows rows (a multiple of 16) again, a tile's operand at a time: (tile_rows / 16, K / 32,
@@ -69,8 +82,11 @@ int64_t product_grain(const Product& p);
 // y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel
 void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp);
 
-// the formats whose products take integer dot products on this CPU (AVX-512 VNNI), else none
+// the formats whose products take integer dot products on this CPU (AVX-512 VNNI; AVX2: the 4-6-bit tiles), else none
 std::vector<int64_t> integer_dot_formats();
+
+// the instruction of those products: "vpdpbusd" (AVX-512 VNNI), "vpmaddubsw" (AVX2) or "" (none)
+std::string integer_dot_instruction();
 
 // the formats whose products of 16 input rows or more take AMX's tile products (the integer dot formats' sums 16 x 16
 // at a time; BF16 with the rows in three bfloat16 parts), else none

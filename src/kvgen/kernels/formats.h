@@ -249,6 +249,7 @@ struct Nibbles16 : Tiled<G, H> {
   template <class E> static void columns(typename Tiled<G, H>::None, const uint8_t* run, int j, E&& emit);
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  static constexpr int CODE_MAX = 15;  // and AVX2's (vpmaddubsw): the largest stored value it takes
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 using Q4_0x16 = Nibbles16<Q4_0, 2, -8>;
@@ -278,6 +279,7 @@ struct Q4_Kx16 : Tiled<Q4_K, 4> {
   template <int CH> static constexpr int SLOTS = 2 * std::max(1, CH / 2);  // two groups open at a time
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  static constexpr int CODE_MAX = 15;  // and AVX2's
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 
@@ -287,6 +289,7 @@ struct Q6_Kx16 : Tiled<Q6_K, 0> {
   template <int CH> static constexpr int SLOTS = 4 * std::max(1, CH / 4);  // four groups open at a time
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  static constexpr int CODE_MAX = 63;  // and AVX2's
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
   // dot_groups reads a 3360-byte tile block end first (scales, d), then three interleaved runs: the
   // hardware's prefetchers lag, and a one-row product from memory ran at half its speed from cache
@@ -344,11 +347,14 @@ constexpr int field_bytes() {
   return 2;
 }
 
-// whether T's tiles take integer dot products (AVX-512 VNNI: dot_groups) on this CPU
+// whether T's tiles take integer dot products (dot_groups: AVX-512 VNNI, or AVX2 for stored values of at most 6 bits
+// unsigned: CODE_MAX) on this CPU
 template <class T>
 constexpr bool has_dot() {
 #if defined(KVGEN_DOT8)
   return requires { T::DOT; };
+#elif defined(KVGEN_DOT2)
+  return requires { T::CODE_MAX; };
 #else
   return false;
 #endif

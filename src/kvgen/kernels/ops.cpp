@@ -406,6 +406,7 @@ at::Tensor decoder_layers_op(const at::Tensor& x0, at::TensorList cos, at::Tenso
 TORCH_LIBRARY(kvgen, m) {
   m.def("integer_dot_formats() -> int[]", kvgen::integer_dot_formats);
   m.def("tile_formats() -> int[]", kvgen::tile_formats);
+  m.def("integer_dot_instruction() -> str", kvgen::integer_dot_instruction);
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("embedding(Tensor w, Tensor ids, int k, int format) -> Tensor");

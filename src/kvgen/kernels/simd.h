@@ -1,5 +1,6 @@
 // Vector types and primitives for the kernels, per instruction set (AVX-512, AVX2, SSE), the integer
-// dot-product primitives where AVX-512 VNNI runs (KVGEN_DOT8) and the flags of the tile unit (AMX).
+// dot-product primitives where AVX-512 VNNI runs (KVGEN_DOT8) or AVX2 only (KVGEN_DOT2) and the flags of the
+// tile unit (AMX).
 // Plain C++ and intrinsics: nothing here knows torch.
 #pragma once
 
@@ -18,6 +19,11 @@
 #define KVGEN_AMX_BF16 1  // BF16 weights on the tile unit: amx.h
 #endif
 #endif
+#elif defined(__AVX2__)
+#define KVGEN_DOT2 1  // the same integer sums by vpmaddubsw for the 4-6-bit tiled formats: dot2.h
+#endif
+#if defined(KVGEN_DOT8) || defined(KVGEN_DOT2)
+#define KVGEN_DOTS 1  // some integer dot products: the input rounded to three int8 levels (dot.h's RoundedX)
 #endif
 
 namespace kvgen {
@@ -296,6 +302,40 @@ inline void dpbusd_broadcast(__m512i& acc, const __m512i& u, const int8_t* p) {
   asm("vpdpbusd %[p]%{1to16%}, %[u], %[acc]"
       : [acc] "+v"(acc)
       : [u] "v"(u), [p] "m"(*reinterpret_cast<const int32_t*>(p)));
+}
+#endif
+
+#if defined(KVGEN_DOT2)
+// 16 rows' 4 bytes each in two registers, as by_row's one 64-byte register: lanes in the order rows 0-3, 8-11 (h[0])
+// and 4-7, 12-15 (h[1]), each row's bytes from runs 0, 2, 1, 3 (what two byte and two word interleaves within
+// 128-bit lanes give; round_x stores each 4 input values in that order, to_quads orders the d and m of rows so)
+struct Quads {
+  __m256i h[2];
+};
+// 4 runs of 16 bytes (byte i of run a: row i) -> Quads
+inline Quads by_row(const uint8_t* p) {
+  const __m256i ab = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0xD8);
+  const __m256i cd = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 0xD8);
+  // ab: runs 0, 1 of rows 0-7 | the same of rows 8-15; ac: (run 0, run 2) a row, bd: (run 1, run 3)
+  const __m256i ac = _mm256_unpacklo_epi8(ab, cd), bd = _mm256_unpackhi_epi8(ab, cd);
+  return {{_mm256_unpacklo_epi16(ac, bd), _mm256_unpackhi_epi16(ac, bd)}};
+}
+inline Quads low4(const Quads& v) {
+  const __m256i n = _mm256_set1_epi8(15);
+  return {{_mm256_and_si256(v.h[0], n), _mm256_and_si256(v.h[1], n)}};
+}
+inline Quads high4(const Quads& v) {
+  const __m256i n = _mm256_set1_epi8(15);
+  return {{_mm256_and_si256(_mm256_srli_epi16(v.h[0], 4), n), _mm256_and_si256(_mm256_srli_epi16(v.h[1], 4), n)}};
+}
+// 16 lanes in row order -> Quads' order of rows (and back: the same exchange of 128-bit halves)
+struct Lanes {
+  __m256 h[2];
+};
+inline Lanes to_quads(const vf& v) {
+  __m256 n[2];
+  std::memcpy(n, &v, 64);
+  return {{_mm256_permute2f128_ps(n[0], n[1], 0x20), _mm256_permute2f128_ps(n[0], n[1], 0x31)}};
 }
 #endif
 

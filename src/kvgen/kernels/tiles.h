@@ -403,18 +403,6 @@ void I4x16<G>::dot_groups(const uint8_t* blk, F&& f) {
   }
 }
 
-// ---- Integer dot products (AVX-512 VNNI) for the tiled formats (4-6 bits; Q8_0's values + 128 as
-// unsigned bytes, 128 * sum(X) subtracted again in int32). The float32 path (dot.cpp's matmul_tiles)
-// needs one multiply-add per weight and input row after widening each value to float32: one
-// thread ran compute-bound at 10-14 GB/s of stored bytes (Zen 4). Here the input rows are
-// rounded to 21 bits and a sign per block of 32 values, x~ = X * s with s = max|x| / (127 * 2^14)
-// and X split into three int8 levels X = X1 * 2^14 + X2 * 2^7 + X3, and each group's sum(q * X)
-// is three exact integer dot products of the unsigned stored values with the levels (vpdpbusd:
-// 4 products a lane per instruction), combined exactly, rounded once: d * s * sum(q * X) + m * sum(x~) per
-// row. So the product is W @ x~ up to float32 rounding; x~ differs from x by at most
-// max|x| / 2^22 per block (float32 itself rounds at 2^-24 of each value).
-constexpr float XQ_MAX = 127.0f * 16384.0f;
-
 // acc (lane i: weight row i) plus one input row's share of a group of 4 N values from k on: d * s * sum(u * X)
 // + m * sum(x~), from the exact sums of u with the row's three levels (dot), less BIAS * each level's sum where
 // UNBIAS (matmul_tiles_amx takes signed values instead: the same sums), combined and rounded once

@@ -6,7 +6,8 @@ more than 8 rows: 16), each block decoded in registers and multiplied by those r
 (``d * sum(q * x) + m * sum(x)`` per group, float32 accumulation). With AVX-512 VNNI, weights of 4-6 bits
 in tiles of 16 rows take exact integer dot products of their stored values with the rows rounded to 21 bits
 and a sign per block of 32 values (at most 2^-22 of the block's largest value off): 1.4-1.8x faster per
-thread than widening every value to float32; so do kvgen's int8 and int4 weights (quantized at load). Where the CPU
+thread than widening every value to float32; so do kvgen's int8 and int4 weights (quantized at load). With AVX2
+alone, Q4_0, Q4_1, Q4_K and Q6_K tiles take the same sums by vpmaddubsw (1.1-1.6x at 1-4 rows, Zen 3). Where the CPU
 has AMX (Intel's tile unit), products of 16 rows or more take the same integer sums 16 input rows by 16 weight rows
 per instruction, the same bits, and BF16 weights take AMX's bfloat16 products with the rows split exactly into
 three bfloat16 parts (:func:`~kvgen.kernels.tile_formats`).
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvgen.kernels import integer_dot_formats, tile_formats
+from kvgen.kernels import integer_dot_formats, integer_dot_instruction, tile_formats
 from kvgen.models.linear import matmul
 from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows, untile_rows
 
@@ -45,9 +46,13 @@ def any_rows_formats() -> frozenset[int]:
     GFLOP/s against 185-198 for dequantize + oneDNN), except Q6_K's (groups of 16 values: 145) and kvgen's
     int8 and int4 tiles (a Xeon with AMX, 2 threads, 3072 x 576 at 512 rows: 263-302 against 324-358;
     SmolLM2 in int8, prefill of 512 tokens: 858-914 tok/s against 982-1018). With AMX's tile products
-    (:func:`~kvgen.kernels.tile_formats`): every integer dot format but Q6_K, and BF16."""
+    (:func:`~kvgen.kernels.tile_formats`): every integer dot format but Q6_K, and BF16. AVX2's vpmaddubsw products,
+    two products a lane where vpdpbusd takes four, lose at 512 rows (AMD EPYC Zen 3, Qwen2.5-1.5B's Q4_K and Q6_K
+    layers: 46-69 GFLOP/s against 69-100 for dequantize + oneDNN, 2 threads): none."""
     if tile_formats():  # (Q6_K keeps vpdpbusd: 142-221 GFLOP/s at 512 rows against 263-295 for dequantize + oneDNN)
         return tile_formats()
+    if integer_dot_instruction() != "vpdpbusd":
+        return frozenset()
     return integer_dot_formats() - {2014, 3008, 3032, 3064, 3128}
 
 

@@ -1,0 +1,94 @@
+// The integer groups of the tiled formats where AVX2 runs without AVX-512 VNNI (KVGEN_DOT2): tiles.h's dot_groups
+// with each group's u in Quads (simd.h: two registers of 8 rows) and its d and m in the Quads' order of rows (Lanes),
+// for dot2.h's vpmaddubsw products.
+#pragma once
+
+#include "tiles.h"
+
+namespace kvgen {
+
+#if defined(KVGEN_DOT2)
+template <int I> using Int = std::integral_constant<int, I>;
+
+// dot_groups<R>(blk, f): f(slot, part, k0, u, d, m) for each 16 values of a tile block from value k0 on, the part-th
+// 16 of a group of T::GROUP values (slot: which of the groups open at once): u[j] holds values k0 + 4 j .. k0 + 4 j +
+// 3 of the 16 rows as unsigned bytes (at most T::CODE_MAX), worth d * u + m. Parts of 16 values (8 registers of u)
+// leave the products' sums registers enough: a group's 8 at once spilled to the stack
+template <class G, int H, int BASE>
+template <int R, class F>
+void Nibbles16<G, H, BASE>::dot_groups(const uint8_t* blk, F&& f) {
+  const vf d = f16_fields(blk);
+  const Lanes dq = to_quads(d), mq = to_quads(G::HAS_MIN ? f16_fields(blk + 32) : d * (float)BASE);
+  Quads v[4], u[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) v[j] = by_row(blk + 16 * H + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) u[j] = low4(v[j]);
+  f(Int<0>{}, Int<0>{}, 0, u, dq, mq);
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) u[j] = high4(v[j]);
+  f(Int<0>{}, Int<1>{}, 16, u, dq, mq);
+}
+
+template <int R, class F>
+void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
+  const uint8_t* run = blk + 64;
+  vf d[8], m[8];
+  k_scales16(blk, d, m);
+  for (int c = 0; c < 4; ++c) {  // byte i of chunk c: value 64 c + i (low nibble, group 2 c), 64 c + 32 + i (high)
+    const Lanes d0 = to_quads(d[2 * c]), m0 = to_quads(m[2 * c]), d1 = to_quads(d[2 * c + 1]),
+                m1 = to_quads(m[2 * c + 1]);
+    auto half = [&](auto part) {  // runs 4 j .. for j in 4 part .. 4 part + 3, permuted once for both groups
+      Quads v[4], u[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) v[j] = by_row(run + 16 * (12 + 32 * c + 16 * part + 4 * j));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) u[j] = low4(v[j]);
+      f(Int<0>{}, part, 64 * c + 16 * part, u, d0, m0);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) u[j] = high4(v[j]);
+      f(Int<1>{}, part, 64 * c + 32 + 16 * part, u, d1, m1);
+    };
+    half(Int<0>{});
+    half(Int<1>{});
+  }
+}
+
+template <int R, class F>
+void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
+  const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+  const vf dd = f16_fields(&bits);
+  const __m256i n15 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), top = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h)
+    // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: runs 128 + 32 h + l
+    for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + 16 k + l for l in 0..15: group 8 h + 2 s + k
+      Quads q[2][4], hb[4];  // each run permuted once for the groups that read it
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const int l = 16 * k + 4 * j;
+        q[0][j] = by_row(blk + 16 * (64 * h + l));
+        q[1][j] = by_row(blk + 16 * (64 * h + 32 + l));
+        hb[j] = by_row(blk + 16 * (128 + 32 * h + l));
+      }
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        Quads u[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 2; ++i) {
+            const __m256i v = q[s % 2][j].h[i], b = hb[j].h[i];
+            const __m256i low = s < 2 ? _mm256_and_si256(v, n15) : _mm256_and_si256(_mm256_srli_epi16(v, 4), n15);
+            const __m256i high = s == 0 ? _mm256_slli_epi16(_mm256_and_si256(b, two), 4)
+                                 : s == 1 ? _mm256_and_si256(_mm256_slli_epi16(b, 2), top)
+                                 : s == 2 ? _mm256_and_si256(b, top)
+                                          : _mm256_and_si256(_mm256_srli_epi16(b, 2), top);
+            u[j].h[i] = _mm256_or_si256(low, high);
+          }
+        const vf dg = dd * tof((vsb)load16(blk + 16 * (192 + 8 * h + 2 * s + k)));
+        f(Int<0>{}, Int<0>{}, 128 * h + 32 * s + 16 * k, u, to_quads(dg), to_quads(dg * -32.0f));
+      }
+    }
+}
+#endif
+
+}  // namespace kvgen
