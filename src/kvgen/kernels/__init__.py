@@ -137,7 +137,7 @@ def unavailable_reason() -> str | None:
 @functools.cache
 def integer_dot_formats() -> frozenset[int]:
     """Weight formats whose products take integer dot products on this CPU (AVX-512 VNNI; AVX2 without it: the 4-6-bit
-    formats in tiles but Q5_0); empty elsewhere."""
+    GGUF formats in tiles); empty elsewhere."""
     return frozenset(torch.ops.kvgen.integer_dot_formats()) if kernels_available() else frozenset()
 
 

@@ -2,9 +2,10 @@
 // levels as for vpdpbusd (dot.h), the tiles' groups in Quads 16 values at a time (tiles2.h), and vpmaddubsw in place
 // of vpdpbusd: 2 products of a stored value (at most 6 bits, unsigned) with a level a 16-bit lane, summed in int16
 // while they fit, then in int32 by vpmaddwd, which also weighs the levels (2^14, 2^7, 1). The same exact sums as
-// vpdpbusd's. Against the float32 products of the same tiles (dot.cpp's matmul_tiles; AMD EPYC Zen 3, Qwen2.5-1.5B's
-// layers): Q4_K 1.06-1.2x and Q6_K 1.2-1.6x at 1 row, 1.1-1.4x at 4, 0.87-0.96x at 2 (its registers spill). Included
-// by dot.cpp.
+// vpdpbusd's. Against the float32 products of the same tiles (dot.cpp's matmul_tiles; AMD EPYC Zen 3, Qwen2.5's
+// layers, one process alternating): Q4_K 1.0-1.3x, Q6_K 1.2-1.6x and Q5_0 1.3-1.4x at 1 row, 1.1-1.6x at 4; at 2 rows
+// Q4_K 0.82-0.95x (its registers spill), Q5_0 1.3-1.5x. (Parts of 16 values of 8 rows at a time, 4 registers of u,
+// ran 0.7-1.0x these.) Included by dot.cpp.
 #pragma once
 
 #include <algorithm>

@@ -261,6 +261,7 @@ struct Q5_0x16 : Tiled<Q5_0, 6> {  // head: d, then the 32-bit mask of 5th bits 
   template <class E> static void columns(const High& h, const uint8_t* run, int j, E&& emit);
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
+  static constexpr int CODE_MAX = 31;  // and AVX2's
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 

@@ -89,6 +89,42 @@ void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
       }
     }
 }
+template <int R, class F>
+void Q5_0x16::dot_groups(const uint8_t* blk, F&& f) {
+  __m256i rows[2], mask[2];  // each row's 32-bit mask of 5th bits (bit v: value v's), rows 0-7 and 8-15, then Quads'
+  for (int h = 0; h < 2; ++h)
+    rows[h] = _mm256_or_si256(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * h))),
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + 16 * h))),
+                          16));
+  mask[0] = _mm256_permute2x128_si256(rows[0], rows[1], 0x20);
+  mask[1] = _mm256_permute2x128_si256(rows[0], rows[1], 0x31);
+  const vf d = f16_fields(blk);
+  const Lanes dq = to_quads(d), mq = to_quads(d * -16.0f);
+  Quads v[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) v[j] = by_row(blk + 96 + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
+  auto part = [&](auto p) {  // values 16 p + 4 j + (0, 2, 1, 3) of a row: bits of its mask's nibble 4 p + j
+    Quads u[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const int nibble = 4 * p + j;
+      // each row's mask byte nibble / 2 in its 4 bytes; byte b tests bit (0, 2, 1, 3)[b] of the nibble
+      const __m256i at = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+                                                          0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12),
+                                         _mm256_set1_epi8((char)(nibble / 2)));
+      const __m256i bit = _mm256_set1_epi32(nibble % 2 ? (int)0x80204010u : 0x08020401);
+      const Quads low = p ? high4(v[j]) : low4(v[j]);
+      for (int i = 0; i < 2; ++i) {
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(mask[i], at), bit), bit);
+        u[j].h[i] = _mm256_or_si256(low.h[i], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+      }
+    }
+    f(Int<0>{}, p, 16 * p, u, dq, mq);
+  };
+  part(Int<0>{});
+  part(Int<1>{});
+}
 #endif
 
 }  // namespace kvgen

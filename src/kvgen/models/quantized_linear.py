@@ -7,7 +7,7 @@ more than 8 rows: 16), each block decoded in registers and multiplied by those r
 in tiles of 16 rows take exact integer dot products of their stored values with the rows rounded to 21 bits
 and a sign per block of 32 values (at most 2^-22 of the block's largest value off): 1.4-1.8x faster per
 thread than widening every value to float32; so do kvgen's int8 and int4 weights (quantized at load). With AVX2
-alone, Q4_0, Q4_1, Q4_K and Q6_K tiles take the same sums by vpmaddubsw (1.1-1.6x at 1-4 rows, Zen 3). Where the CPU
+alone, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K tiles take the same sums by vpmaddubsw (Zen 3: 1.0-1.6x at 1 and 4 rows). Where the CPU
 has AMX (Intel's tile unit), products of 16 rows or more take the same integer sums 16 input rows by 16 weight rows
 per instruction, the same bits, and BF16 weights take AMX's bfloat16 products with the rows split exactly into
 three bfloat16 parts (:func:`~kvgen.kernels.tile_formats`).
