@@ -1,0 +1,130 @@
+"""Two or more builds of kvgen's C++ kernels in one process, their products timed call by call.
+
+Each tree (a git revision, or a folder of kernel sources) is built as its own library whose ops live in
+``torch.ops.<name>`` (``ab0``, ``ab1``, ...), then one process calls their ``qmatmul`` in turn on the same
+packed weights: a model's copies of one tensor in every layer (read from memory), or ``--rows`` of one
+(from cache). Separate processes on a shared VM disagreed by up to 1.8x from run to run; calls alternating in
+one process agree within a few percent. Reports the best time of ``--reps`` calls of each build, its weights a
+second and its ratio to the first build; checks that every build gives the first one's products (1e-5).
+
+    python benchmarks/kernels_ab.py MODEL.gguf blk.0.ffn_gate.weight,blk.0.ffn_down.weight --trees HEAD~1,HEAD
+    python benchmarks/kernels_ab.py MODEL.gguf token_embd.weight --trees main,src/kvgen/kernels --rows 512 --reps 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+import kvgen.kernels as kernels
+from kvgen.models.packed import PackedWeight, tile_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = "src/kvgen/kernels"
+
+
+def sources(tree: str, into: Path) -> None:
+    """The kernel sources of ``tree`` (a folder, or a git revision of this repository) copied into ``into``."""
+    if Path(tree).is_dir():
+        for path in Path(tree).iterdir():
+            if path.suffix in (".h", ".cpp"):
+                shutil.copy(path, into)
+        return
+    listing = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{tree}:{KERNELS}"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    for name in listing:
+        if name.endswith((".h", ".cpp")):
+            (into / name).write_bytes(subprocess.run(["git", "-C", str(ROOT), "show", f"{tree}:{KERNELS}/{name}"],
+                                                     capture_output=True, check=True).stdout)
+
+
+def build(tree: str, namespace: str, folder: Path) -> None:
+    """``tree``'s kernels as ``folder/namespace.so``, their ops in ``torch.ops.<namespace>``, loaded."""
+    src = folder / namespace
+    src.mkdir()
+    sources(tree, src)
+    ops = src / "ops.cpp"
+    ops.write_text(re.sub(r"TORCH_LIBRARY(_IMPL)?\(kvgen,", lambda m: f"TORCH_LIBRARY{m.group(1) or ''}({namespace},",
+                          ops.read_text()))
+    kernels._SOURCES, kernels._HEADERS = sorted(src.glob("*.cpp")), sorted(src.glob("*.h"))
+    kernels._build(folder / f"{namespace}.so")
+    torch.ops.load_library(str(folder / f"{namespace}.so"))
+
+
+def weights(path: str, name: str, rows: int) -> list[tuple[int, torch.Tensor]]:
+    """Every layer's copy of tensor ``name`` (``blk.0.`` names; others: the one tensor), tiled as models keep it."""
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    out = []
+    for layer in range(1000):
+        t = tensors.get(name.replace("blk.0.", f"blk.{layer}."))
+        if t is None or (layer and "blk.0." not in name):
+            break
+        k, n = int(t.shape[0]), int(t.shape[1])
+        raw = torch.from_numpy(np.array(t.data)).reshape(n, -1)[:rows or n].clone()
+        out.append(tile_rows(PackedWeight([(int(t.tensor_type), raw)], k)).segments[0])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model", help="a GGUF file")
+    parser.add_argument("tensors", help="comma-separated tensor names (blk.0.*: every layer's)")
+    parser.add_argument("--trees", required=True, help="comma-separated git revisions or kernel source folders")
+    parser.add_argument("--rows", type=int, default=0, help="only the first rows of each tensor (from cache)")
+    parser.add_argument("--inputs", type=int, default=1, help="input rows of each product")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    assert kernels.kernels_available(), kernels.unavailable_reason()  # this tree's: the tiles' layout
+    trees = args.trees.split(",")
+    names = [f"ab{i}" for i in range(len(trees))]
+    with tempfile.TemporaryDirectory() as folder:
+        for tree, namespace in zip(trees, names):
+            build(tree, namespace, Path(folder))
+        ops = [getattr(torch.ops, namespace).qmatmul for namespace in names]
+        for tensor in args.tensors.split(","):
+            segments = weights(args.model, tensor, args.rows)
+            n = segments[0][1].shape[0]
+            x = torch.randn(args.inputs, _in_features(args.model, tensor))
+            first = ops[0](x, [segments[0][1]], [segments[0][0]])
+            for op, namespace in zip(ops[1:], names[1:]):
+                error = ((op(x, [segments[0][1]], [segments[0][0]]) - first).abs().max() / first.abs().max()).item()
+                assert error < 1e-5, f"{namespace} gives other products ({error:.1e} of the largest)"
+            for threads in map(int, args.threads.split(",")):
+                torch.set_num_threads(threads)
+                times = [[] for _ in ops]
+                for _ in range(args.reps):
+                    for op, spent in zip(ops, times):
+                        start = time.perf_counter()
+                        for format, data in segments:
+                            op(x, [data], [format])
+                        spent.append((time.perf_counter() - start) / len(segments))
+                best = [min(spent) for spent in times]
+                weights_read = n * x.shape[1] * args.inputs
+                print(f"{tensor} ({n} x {x.shape[1]}, {len(segments)} copies, {args.inputs} input rows, {threads} "
+                      "threads): " + "  ".join(f"{tree} {b * 1e3:.3f} ms {weights_read / b / 1e9:.1f} Gw/s "
+                                               f"({best[0] / b:.2f}x)" for tree, b in zip(trees, best)), flush=True)
+    print(f"lscpu: {_cpu()}; load average {open('/proc/loadavg').read().split()[:3]}")
+
+
+def _in_features(path: str, name: str) -> int:
+    return int(next(t for t in gguf.GGUFReader(path).tensors if t.name == name).shape[0])
+
+
+def _cpu() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
