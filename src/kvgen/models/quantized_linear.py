@@ -1,8 +1,8 @@
 """Linear and embedding layers over weights kept in their stored formats (:mod:`kvgen.models.packed`).
 
 Inputs of at most :data:`QMATMUL_ROWS` rows (decode steps, batched decoding, short chunks) run
-``torch.ops.kvgen.qmatmul``: one pass over the stored bytes per 8 rows (AVX2: 2; integer dot products of
-more than 8 rows: 16), each block decoded in registers and multiplied by those rows
+``torch.ops.kvgen.qmatmul``: one pass over the stored bytes per 8 rows (AVX2: 2, its integer dot products 4;
+AVX-512 VNNI's of more than 8 rows: 16), each block decoded in registers and multiplied by those rows
 (``d * sum(q * x) + m * sum(x)`` per group, float32 accumulation). With AVX-512 VNNI, weights of 4-6 bits
 in tiles of 16 rows take exact integer dot products of their stored values with the rows rounded to 21 bits
 and a sign per block of 32 values (at most 2^-22 of the block's largest value off): 1.4-1.8x faster per
