@@ -4,7 +4,7 @@ Each tree (a git revision, or a folder of kernel sources) is built as its own li
 ``torch.ops.<name>`` (``ab0``, ``ab1``, ...), then one process calls their ``qmatmul`` in turn on the same
 packed weights: a model's copies of one tensor in every layer (read from memory), or ``--rows`` of one
 (from cache). Separate processes on a shared VM disagreed by up to 1.8x from run to run; calls alternating in
-one process agree within a few percent. Reports the best time of ``--reps`` calls of each build, its weights a
+one process agree within a few percent over whole tensors (calls of tens of microseconds vary more). Reports the best time of ``--reps`` calls of each build, its weights a
 second and its ratio to the first build; checks that every build gives the first one's products (1e-5).
 
     python benchmarks/kernels_ab.py MODEL.gguf blk.0.ffn_gate.weight,blk.0.ffn_down.weight --trees HEAD~1,HEAD
@@ -28,6 +28,9 @@ import torch
 
 import kvgen.kernels as kernels
 from kvgen.models.packed import PackedWeight, tile_rows
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_llamacpp import _cpu as cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "src/kvgen/kernels"
@@ -61,10 +64,11 @@ def build(tree: str, namespace: str, folder: Path) -> None:
     torch.ops.load_library(str(folder / f"{namespace}.so"))
 
 
-def weights(path: str, name: str, rows: int) -> list[tuple[int, torch.Tensor]]:
-    """Every layer's copy of tensor ``name`` (``blk.0.`` names; others: the one tensor), tiled as models keep it."""
+def weights(path: str, name: str, rows: int) -> tuple[list[tuple[int, torch.Tensor]], int]:
+    """Every layer's copy of tensor ``name`` (``blk.0.`` names; others: the one tensor), tiled as models keep it,
+    and its input features."""
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    out = []
+    out, k = [], 0
     for layer in range(1000):
         t = tensors.get(name.replace("blk.0.", f"blk.{layer}."))
         if t is None or (layer and "blk.0." not in name):
@@ -72,7 +76,7 @@ def weights(path: str, name: str, rows: int) -> list[tuple[int, torch.Tensor]]:
         k, n = int(t.shape[0]), int(t.shape[1])
         raw = torch.from_numpy(np.array(t.data)).reshape(n, -1)[:rows or n].clone()
         out.append(tile_rows(PackedWeight([(int(t.tensor_type), raw)], k)).segments[0])
-    return out
+    return out, k
 
 
 def main() -> None:
@@ -93,9 +97,9 @@ def main() -> None:
             build(tree, namespace, Path(folder))
         ops = [getattr(torch.ops, namespace).qmatmul for namespace in names]
         for tensor in args.tensors.split(","):
-            segments = weights(args.model, tensor, args.rows)
+            segments, k = weights(args.model, tensor, args.rows)
             n = segments[0][1].shape[0]
-            x = torch.randn(args.inputs, _in_features(args.model, tensor))
+            x = torch.randn(args.inputs, k)
             first = ops[0](x, [segments[0][1]], [segments[0][0]])
             for op, namespace in zip(ops[1:], names[1:]):
                 error = ((op(x, [segments[0][1]], [segments[0][0]]) - first).abs().max() / first.abs().max()).item()
@@ -114,16 +118,7 @@ def main() -> None:
                 print(f"{tensor} ({n} x {x.shape[1]}, {len(segments)} copies, {args.inputs} input rows, {threads} "
                       "threads): " + "  ".join(f"{tree} {b * 1e3:.3f} ms {weights_read / b / 1e9:.1f} Gw/s "
                                                f"({best[0] / b:.2f}x)" for tree, b in zip(trees, best)), flush=True)
-    print(f"lscpu: {_cpu()}; load average {open('/proc/loadavg').read().split()[:3]}")
-
-
-def _in_features(path: str, name: str) -> int:
-    return int(next(t for t in gguf.GGUFReader(path).tensors if t.name == name).shape[0])
-
-
-def _cpu() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+    print(f"lscpu: {cpu()}; load average {open('/proc/loadavg').read().split()[:3]}")
 
 
 if __name__ == "__main__":
