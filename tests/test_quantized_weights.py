@@ -22,7 +22,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import kvgen
 from kvgen.kernels import integer_dot_formats, integer_dot_instruction, kernels_available, unavailable_reason
-from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows, untile_rows
+from kvgen.models.packed import TILED, TILED_HEADS, PackedWeight, dequantize_on_device, row_bytes, tile_rows, untile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from kvgen.models.weight_arena import WeightArena
 from kvgen.quantization import TorchAoConfig, quantize_int4, quantize_int8
@@ -176,6 +176,23 @@ def test_int8_and_int4_rows_dequantize_to_their_definition():
         # the kernel sums d * q * x and m * x apart: float32 rounding of the larger of the two
         magnitude = x.abs() @ ((q * d).abs() + m.abs()).reshape(40, 256).double().T
         assert ((got - x @ packed.dequantize().double().T).abs() <= 1e-5 * magnitude + 1e-6).all()
+
+
+@pytest.mark.parametrize("format", sorted(TILED_HEADS))
+def test_the_tiling_kernel_keeps_every_formats_bytes(format):
+    """``tile_rows_`` (the C++ copy a load tiles with, 16 columns a transpose) against ``untile_rows`` (torch's
+    reshapes): every tiled format's geometry (head fields of 2 or 4 bytes or none, bytes past the last 16-column
+    run, int8's row scales after the blocks), random bytes, rows read from a wider buffer (a stride of their own)."""
+    from kvgen.models.packed import _tile_shape
+
+    nbytes = row_bytes(format, 512)
+    wide = torch.randint(0, 256, (48, nbytes + 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(format))
+    rows = wide[:, 8:8 + nbytes]  # (48, row bytes), 40 bytes apart more than their length
+    _, blocks, size, head, field, _ = _tile_shape(format, rows)
+    tiles = torch.empty(rows.shape, dtype=torch.uint8)
+    torch.ops.kvgen.tile_rows_(tiles, rows, blocks, size, head, field)
+    assert not torch.equal(tiles, rows)
+    assert torch.equal(untile_rows(PackedWeight([(2000 + format, tiles)], 512)).segments[0][1], rows)
 
 
 LOAD_TIME = {"int8": quantize_int8, **{f"int4/g{g}": lambda w, g=g: quantize_int4(w, g) for g in (32, 64, 128)}}

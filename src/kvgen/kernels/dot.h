@@ -111,4 +111,11 @@ void dequantize(int64_t format, const uint8_t* w, int64_t row_bytes, int64_t N, 
 void embedding(int64_t format, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t n, int64_t K,
                float* out);
 
+// rows (16 * tiles, blocks * size + extra bytes, stride bytes apart) into tiles of 16 rows (kvgen.models.packed
+// .tile_rows; formats.h's Tiled): per block, the 16 rows' head fields of `field` bytes (head bytes in all), then byte
+// j of the 16 rows for each other byte j; after the blocks, the 16 rows' extra bytes, one row after the other. Tiles in
+// parallel
+void tile_rows(const uint8_t* rows, int64_t stride, int64_t tiles, int64_t blocks, int64_t size, int64_t head,
+               int64_t field, int64_t extra, uint8_t* out);
+
 }  // namespace kvgen

@@ -268,7 +268,8 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
         if isinstance(module, (nn.Linear, nn.Embedding)):
             sharing.setdefault(id(module.weight), []).append(name)
     arena = WeightArena([size for weight in packed.values() for size in tiled_sizes(weight)])  # in 2 MB pages
-    for name, weight in packed.items():
+    for name in list(packed):
+        weight = packed.pop(name)  # the rows are dropped once tiled (a permuted q or k is a copy of its own)
         module_name = name.removesuffix(".weight")
         original = model.get_submodule(module_name)
         weight = tile_rows(weight, arena.empty_like)  # 4-6-bit formats in tiles of 16 rows for the one-row product
