@@ -185,6 +185,85 @@ def test_n_siblings_share_the_prompt_blocks(model):
     assert len({tuple(o.generated_tokens) for o in outputs.values()}) == 3
 
 
+def penalized_alone(model, prompt: list[int], new: int, frequency: float, presence: float,
+                    bias: dict[int, float]) -> list[int]:
+    """Greedy tokens under OpenAI's penalties and bias, written out here (one full forward a token): each
+    logit minus frequency x its count in the generated tokens, minus presence if it occurs there, plus its bias."""
+    tokens: list[int] = []
+    for _ in range(new):
+        logits = model(torch.tensor([prompt + tokens])).logits[0, -1]
+        for token in set(tokens):
+            logits[token] -= frequency * tokens.count(token) + presence
+        for token, value in bias.items():
+            logits[token] += value
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
+def test_penalties_and_logit_bias_change_greedy_choices_as_openai_defines_them(model):
+    prompts = random_prompts(3, 5, 40, seed=12)
+    plain = model.generate_batch(prompts, max_new_tokens=12, continuous_batching_config=cb())
+    banned = plain["req_0"].generated_tokens[0]
+    cases = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(frequency_penalty=-0.5, presence_penalty=1.0),
+             dict(logit_bias={banned: -100.0, 7: 3.0})]
+    with model.init_continuous_batching(continuous_batching_config=cb(num_blocks=100)) as manager:
+        for case in cases:  # beside requests without penalties: each sequence has its own
+            ids = [manager.add_request(p, max_new_tokens=12, **case) for p in prompts]
+            others = [manager.add_request(p, max_new_tokens=12) for p in prompts]
+            changed = 0
+            for prompt, rid, other in zip(prompts, ids, others):
+                got = manager.get_result(rid, timeout=60).generated_tokens
+                expected = penalized_alone(model, prompt, 12, case.get("frequency_penalty", 0.0),
+                                           case.get("presence_penalty", 0.0), case.get("logit_bias", {}))
+                assert got == expected, case
+                assert manager.get_result(other, timeout=60).generated_tokens == alone(model, prompt, 12)
+                changed += expected != alone(model, prompt, 12)
+            assert changed, f"{case} changed no reply: the test would not see them ignored"
+    with model.init_continuous_batching(continuous_batching_config=cb()) as manager:
+        forced = manager.get_result(manager.add_request(prompts[0], max_new_tokens=5, logit_bias={42: 100.0}),
+                                    timeout=60)
+    assert forced.generated_tokens == [42] * 5
+    with pytest.raises(ValueError, match="presence_penalty must be between -2 and 2"):
+        manager.add_request([1], presence_penalty=2.5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        manager.add_request([1], logit_bias={96: 1.0})
+    with pytest.raises(ValueError, match="between -100 and 100"):
+        manager.add_request([1], logit_bias={5: 101.0})
+
+
+def test_prompt_logprobs_score_every_prompt_token_across_chunks_cache_hits_and_siblings(model):
+    """``prompt_logprobs=k``: each prompt token's log-probability given those before it (None for the first), as a
+    full forward pass gives them (within float32 summation error: chunked prefill over the paged cache sums in
+    another order), its k likeliest alternatives; computed even where the prefix cache holds the prompt (a second
+    request), across prefill chunks (max_batch_tokens 16 < the prompts), and handed to ``n`` siblings."""
+    prompts = random_prompts(3, 20, 60, seed=13)
+    with model.init_continuous_batching(continuous_batching_config=cb(num_blocks=100, max_batch_tokens=16)) as manager:
+        ids = [manager.add_request(p, max_new_tokens=2, prompt_logprobs=3) for p in prompts]
+        outputs = [manager.get_result(rid, timeout=60) for rid in ids]
+        again = manager.add_request(prompts[0], max_new_tokens=2, prompt_logprobs=0, num_return_sequences=2)
+        repeats = [manager.get_result(rid, timeout=60) for rid in (again, f"{again}__child#0")]
+        without = manager.get_result(manager.add_request(prompts[1], max_new_tokens=2), timeout=60)
+    for prompt, out in zip(prompts, outputs):
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1], dim=-1)  # (prompt - 1, V)
+        assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(prompt)
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]),
+                                   expected.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0], atol=1e-4, rtol=0)
+        for top, row in zip(out.prompt_top_logprobs[1:], expected):
+            values, indices = row.topk(3)
+            assert len(top) == 3
+            torch.testing.assert_close(torch.tensor(sorted(top.values())), values.sort().values, atol=1e-4, rtol=0)
+            if float(values[1] - values[2]) > 1e-3:  # no near-tie deciding the order
+                assert set(top) == set(indices.tolist())
+    for repeat in repeats:
+        torch.testing.assert_close(torch.tensor(repeat.prompt_logprobs[1:]), torch.tensor(outputs[0].prompt_logprobs[1:]),
+                                   atol=1e-4, rtol=0)
+        assert all(top == {} for top in repeat.prompt_top_logprobs[1:])
+    assert without.prompt_logprobs == [] and without.cached_prompt_tokens > 0  # the prefix cache still serves others
+    with pytest.raises(ValueError, match="prompt_logprobs must be None or 0 to 20"):
+        manager.add_request([1], prompt_logprobs=21)
+
+
 def test_eos_stops_one_request_and_not_the_others(model):
     prompts = random_prompts(3, 10, 40, seed=10)
     free_run = model.generate_batch(prompts, max_new_tokens=12, continuous_batching_config=cb())

@@ -28,17 +28,21 @@ from kvgen import LlamaForCausalLM, PretrainedConfig
 from kvgen.loading.checkpoint import save_safetensors_checkpoint
 from kvgen.loading.default_model import default_gguf_path
 from kvgen.models.decode_blocks import eager_blocks
+from kvgen.tokenizer import fill_in_the_middle_tokens
 
 KEY = "test-key"
+FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 CONTEXT = 1024
 WORDS = "the a little cat dog sea sky ran over under big red green house tree river song old new light".split()
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """A random 2-layer Llama with SmolLM2's tokenizer and chat template (peaked logits: greedy is far from ties)."""
+    """A random 2-layer Llama with SmolLM2's tokenizer and chat template (peaked logits: greedy is far from ties),
+    and Qwen2.5-Coder's three fill-in-the-middle tokens added to its vocabulary."""
     tokenizer = kvgen.AutoTokenizer.from_pretrained(default_gguf_path())
-    config = dict(model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=96,
+    tokenizer.backend_tokenizer.add_special_tokens(list(FIM))
+    config = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=CONTEXT, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
                   hidden_act="silu", eos_token_id=tokenizer.eos_token_id)
@@ -70,7 +74,7 @@ def reference(tiny):
             torch.set_num_threads(threads)
         return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
-    expected.tokenizer = tokenizer
+    expected.tokenizer, expected.model = tokenizer, model
     return expected
 
 
@@ -204,6 +208,100 @@ def test_n_stop_strings_and_logprobs(server, reference):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                           temperature=0, logprobs=True, top_logprobs=3)
     assert [len(t.top_logprobs) for t in chat.choices[0].logprobs.content] == [3, 3, 3]
+
+
+def test_penalties_and_logit_bias(server, reference):
+    """The body's penalties reach the engine (whose arithmetic tests/test_continuous_batching.py checks): a bias of
+    100 makes every token the biased one, a presence penalty of 2 changes a greedy reply that repeats itself."""
+    client = server.client()
+    prompt = "The river ran under the old"
+    token = reference.tokenizer(" sea")["input_ids"][-1]
+    forced = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(token): 100})
+    assert forced.choices[0].text == reference.tokenizer.decode([token] * 4)
+    plain = reference(prompt, 16)
+    assert len(set(reference.tokenizer(plain)["input_ids"])) < 16  # it repeats: a presence penalty acts
+    for stream in (False, True):
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                        presence_penalty=2.0, frequency_penalty=0.5, stream=stream)
+        text = stream_text(out)[0] if stream else out.choices[0].text
+        assert text != plain
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(token): 100})
+    assert chat.choices[0].message.content == reference.tokenizer.decode([token] * 3)
+    for settings, param in [(dict(presence_penalty=2.5), "presence_penalty"),
+                            (dict(frequency_penalty=-3), "frequency_penalty"),
+                            (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={"5": 300}), "logit_bias"),
+                            (dict(logit_bias={str(10 ** 7): 1}), "logit_bias")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=2, **settings)
+        assert info.value.body["param"] == param, settings
+
+
+def test_echo_scores_the_prompt(server, reference):
+    """``echo`` puts the prompt before the answer, and with ``logprobs`` its tokens' log-probabilities (None for
+    the first) as a full forward pass gives them; ``max_tokens: 0`` scores the prompt alone (what evaluation
+    harnesses send)."""
+    client, tokenizer = server.client(), reference.tokenizer
+    prompt = "The river ran under the old"
+    ids = tokenizer(prompt)["input_ids"]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    assert out.choices[0].text == prompt + reference(prompt, 4)
+    assert stream_text(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                                 echo=True, stream=True))[0] == prompt + reference(prompt, 4)
+    with torch.no_grad():
+        expected = torch.log_softmax(reference.model(torch.tensor([ids])).logits[0, :-1], dim=-1)  # (len - 1, V)
+    scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert (choice.text, choice.finish_reason, scored.usage.completion_tokens) == (prompt, "length", 0)
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids] and lp.token_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), expected.gather(1, torch.tensor(ids[1:])[:, None])[:, 0],
+                               atol=1e-4, rtol=0)
+    assert lp.top_logprobs[0] is None and all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(ids))]
+    both = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=0)
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + 3
+    assert both.choices[0].logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+def test_best_of_answers_the_likeliest_sequences(server):
+    """``best_of=3, n=1`` answers the one of the 3 sequences ``n=3`` gives (same seed) of the highest mean
+    log-probability per token."""
+    client = server.client()
+    settings = dict(model="tiny", prompt="The river ran under the old", max_tokens=6, temperature=1.0, seed=11,
+                    logprobs=0)
+    three = client.completions.create(n=3, **settings).choices
+    mean = lambda c: sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)  # noqa: E731
+    best = client.completions.create(n=1, best_of=3, **settings).choices
+    assert [c.text for c in best] == [max(three, key=mean).text]
+    assert len({c.text for c in three}) > 1  # the choice mattered
+    for extra, param in [(dict(n=2, best_of=1), "best_of"), (dict(n=1, best_of=2, stream=True), "best_of")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(**{**settings, **extra})
+        assert info.value.body["param"] == param
+
+
+def test_suffix_fills_in_the_middle(server, reference):
+    """``suffix``: the prompt becomes ``<|fim_prefix|>prompt<|fim_suffix|>suffix<|fim_middle|>`` (the model's
+    fill-in-the-middle tokens, as Qwen2.5-Coder and StarCoder name them)."""
+    client, tokenizer = server.client(), reference.tokenizer
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))"
+    fim = [tokenizer.convert_tokens_to_ids(name) for name in FIM]
+    ids = [fim[0], *tokenizer.encode(prefix, add_special_tokens=False), fim[1],
+           *tokenizer.encode(suffix, add_special_tokens=False), fim[2]]
+    filled = client.completions.create(model="tiny", prompt=prefix, suffix=suffix, max_tokens=6, temperature=0)
+    as_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    plain = client.completions.create(model="tiny", prompt=prefix, max_tokens=6, temperature=0)
+    assert filled.choices[0].text == as_ids.choices[0].text != plain.choices[0].text
+    assert filled.usage.prompt_tokens == len(ids)
+    assert fill_in_the_middle_tokens(kvgen.AutoTokenizer.from_pretrained(default_gguf_path())) is None  # SmolLM2
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt=[ids], suffix=suffix, max_tokens=2)
+    assert info.value.body["param"] == "suffix"
 
 
 def test_ignore_eos_goes_on_past_the_end_of_sequence_token(tiny, reference, tmp_path):

@@ -392,6 +392,26 @@ class PreTrainedTokenizerFast:
                 f"padding_side={self.padding_side!r}, special_tokens={self.special_tokens_map})")
 
 
+#: fill-in-the-middle tokens (prefix, suffix, middle) by family: Qwen2.5-Coder, StarCoder and its kin, Code Llama
+FILL_IN_THE_MIDDLE = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>",
+                      "<fim_middle>"), ("▁<PRE>", "▁<SUF>", "▁<MID>"), ("<PRE>", "<SUF>", "<MID>"))
+
+
+def fill_in_the_middle_tokens(tokenizer: PreTrainedTokenizerFast) -> tuple[int, int, int] | None:
+    """The ids of ``tokenizer``'s fill-in-the-middle tokens (prefix, suffix, middle), or None where it has none.
+    A model fills in the middle from ``prefix_token + prefix + suffix_token + suffix + middle_token``.
+
+    Example:
+        >>> fill_in_the_middle_tokens(AutoTokenizer.from_pretrained("Qwen2.5-Coder.gguf"))  # doctest: +SKIP
+        (151659, 151661, 151660)
+    """
+    vocab = tokenizer.get_vocab()
+    for names in FILL_IN_THE_MIDDLE:
+        if all(name in vocab for name in names):
+            return tuple(vocab[name] for name in names)
+    return None
+
+
 class _TemplateNamespace(jinja2.utils.Namespace):
     """jinja's ``namespace()`` without underscore attributes, so templates cannot reach CPython internals."""
 

@@ -63,6 +63,8 @@ class GenerationOutput:
     generated_tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # asked with prompt_logprobs: [None, ...]
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     error: str | None = None
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
@@ -185,8 +187,16 @@ class ContinuousBatchingManager:
                     streaming: bool = False, eos_token_id: int | list[int] | None = None, *,
                     do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                     top_p: float | None = None, seed: int | None = None, stop_strings: str | list[str] | None = None,
-                    num_return_sequences: int | None = None, top_logprobs: int = 0) -> str:
+                    num_return_sequences: int | None = None, top_logprobs: int = 0, frequency_penalty: float = 0.0,
+                    presence_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+                    prompt_logprobs: int | None = None) -> str:
         """Queue a request; returns its id. Settings left ``None`` come from the manager's generation config.
+
+        ``frequency_penalty``, ``presence_penalty`` (-2 to 2) and ``logit_bias`` (token id -> -100 to 100) act as
+        OpenAI's (:func:`kvgen.serving.runner.adjusted`), on greedy and sampled choices alike. ``prompt_logprobs=k``
+        (0-20) scores the prompt too: each prompt token's log-probability given the tokens before it (None for the
+        first) and its ``k`` likeliest alternatives, in the outputs' ``prompt_logprobs`` and ``prompt_top_logprobs``
+        (its blocks are computed, not taken from the prefix cache).
 
         With ``num_return_sequences=n > 1`` the request yields ``n`` results: ``request_id`` and
         ``f"{request_id}__child#{i}"``, which share the prompt's cached blocks.
@@ -201,7 +211,9 @@ class ContinuousBatchingManager:
             top_k=g.top_k if top_k is None else top_k, top_p=g.top_p if top_p is None else top_p, seed=seed,
             eos_token_ids=tuple(_as_list(eos_token_id if eos_token_id is not None else g.eos_token_id)),
             stop_strings=tuple(_as_list(stop_strings)),
-            num_return_sequences=num_return_sequences or g.num_return_sequences or 1, top_logprobs=top_logprobs)
+            num_return_sequences=num_return_sequences or g.num_return_sequences or 1, top_logprobs=top_logprobs,
+            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+            logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()}, prompt_logprobs=prompt_logprobs)
         prompt = self._check_request(input_ids, params)
         with self._lock:
             request_id = request_id if request_id is not None else f"req_{next(self._counter)}"
@@ -308,6 +320,16 @@ class ContinuousBatchingManager:
                              "lower max_new_tokens")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need the tokenizer: init_continuous_batching(tokenizer=...)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(params, name) <= 2:
+                raise ValueError(f"{name} must be between -2 and 2, got {getattr(params, name)}")
+        for token, bias in params.logit_bias.items():
+            if vocab and not 0 <= token < vocab:
+                raise ValueError(f"logit_bias names token {token}, outside the vocabulary [0, {vocab})")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be between -100 and 100, got {bias} for token {token}")
+        if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be None or 0 to 20, got {params.prompt_logprobs}")
         if params.do_sample and params.temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
         return prompt
@@ -387,7 +409,9 @@ class ContinuousBatchingManager:
         for i in range(seq.params.num_return_sequences - 1):
             params = SamplingParams(**{**vars(seq.params), "seed": None if seq.params.seed is None
                                        else seq.params.seed + i + 1})
-            self.scheduler.add(Sequence(f"{seq.request_id}__child#{i}", seq.prompt, params), front=True)
+            child = Sequence(f"{seq.request_id}__child#{i}", seq.prompt, params,
+                             prompt_logprobs=list(seq.prompt_logprobs), prompt_top_logprobs=list(seq.prompt_top_logprobs))
+            self.scheduler.add(child, front=True)  # its prompt scored already: it may take the parent's blocks
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.params.eos_token_ids:
@@ -414,7 +438,8 @@ class ContinuousBatchingManager:
         handle = self._handles.get(seq.request_id)
         return GenerationOutput(
             request_id=seq.request_id, prompt_ids=list(seq.prompt), generated_tokens=list(seq.generated),
-            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), status=seq.status,
+            logprobs=list(seq.logprobs), top_logprobs=list(seq.top_logprobs), prompt_logprobs=list(seq.prompt_logprobs),
+            prompt_top_logprobs=list(seq.prompt_top_logprobs), status=seq.status,
             finish_reason=seq.finish_reason, cached_prompt_tokens=seq.cached_prompt_tokens,
             created_time=handle.created if handle else time.perf_counter(),
             first_token_time=handle.first_token if handle else None)

@@ -34,15 +34,21 @@ class ModelRunner:
         """Feed ``n`` tokens of each ``(sequence, n)``; return ``(sequence, token, logprob, top_logprobs)`` for
         every sequence that gets a new token."""
         size, device = self.cache.block_size, self.device
-        ids, positions, row_seq, keep, sampled = [], [], [], [], []
+        ids, positions, row_seq, keep, sampled, scored = [], [], [], [], [], []
         for i, (seq, n) in enumerate(batch):
             start, end = seq.num_computed, seq.num_computed + n
+            if seq.scores_prompt:  # rows whose next token is a prompt token not scored yet
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs, seq.prompt_top_logprobs = [None], [None]
+                first, last = max(start, len(seq.prompt_logprobs) - 1), min(end, len(seq.prompt) - 1)
+                scored += [(seq, len(keep) + p - first, seq.tokens[p + 1]) for p in range(first, last)]
+                keep += range(len(ids) + first - start, len(ids) + last - start)
             ids += seq.tokens[start:end]
             positions.append(torch.arange(start, end))
             row_seq += [i] * n
             if end == len(seq.tokens):
+                sampled.append((seq, len(keep)))
                 keep.append(len(ids) - 1)
-                sampled.append(seq)
         row_seq_t = torch.tensor(row_seq)
         steps = {}
         for kind in self.cache.kinds:
@@ -63,14 +69,19 @@ class ModelRunner:
             logits = self.model(torch.tensor([ids], device=device), position_ids=positions_t[None],
                                 cache_position=positions_t, past_key_values=self.cache, use_cache=True,
                                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device)).logits[0]  # (kept, V)
-        return [(seq, *choose(seq, logits[j].float())) for j, seq in enumerate(sampled)]
+        for seq, j, token in scored:  # in the prompt's order
+            value, top = logprob_of(logits[j].float(), token, seq.params.prompt_logprobs)
+            seq.prompt_logprobs.append(value)
+            seq.prompt_top_logprobs.append(top)
+        return [(seq, *choose(seq, logits[j].float())) for seq, j in sampled]
 
 
 def choose(seq: Sequence, raw: torch.Tensor) -> tuple[int, float, dict[int, float]]:
-    """Next token of ``seq`` from its raw logits (V,), with its log-probability under the model and the
-    ``top_logprobs`` most likely alternatives."""
+    """Next token of ``seq`` from its raw logits (V,), penalized and biased (:func:`adjusted`), greedy or sampled;
+    with its log-probability under the model (the raw logits', as vLLM reports them) and the ``top_logprobs`` most
+    likely alternatives."""
     params: SamplingParams = seq.params
-    scores = raw[None]  # (1, V)
+    scores = adjusted(params, seq.generated, raw)[None]  # (1, V)
     if params.do_sample:
         for processor in _warpers(params):
             scores = processor(None, scores)
@@ -83,12 +94,37 @@ def choose(seq: Sequence, raw: torch.Tensor) -> tuple[int, float, dict[int, floa
         token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=seq.generator))
     else:
         token = int(torch.argmax(scores, dim=-1))
-    logprobs = torch.log_softmax(raw, dim=-1)
-    top = {}
-    if params.top_logprobs:
-        values, indices = logprobs.topk(params.top_logprobs)
-        top = dict(zip(indices.tolist(), values.tolist()))
-    return token, float(logprobs[token]), top
+    return token, *logprob_of(raw, token, params.top_logprobs)
+
+
+def logprob_of(raw: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float]]:
+    """The log-probability of ``token`` under raw logits (V,), and the ``top`` likeliest tokens' (token -> value)."""
+    logprobs = torch.log_softmax(raw, dim=-1)  # (V,)
+    best = {}
+    if top:
+        values, indices = logprobs.topk(top)
+        best = dict(zip(indices.tolist(), values.tolist()))
+    return float(logprobs[token]), best
+
+
+def adjusted(params: SamplingParams, generated: list[int], raw: torch.Tensor) -> torch.Tensor:
+    """The logits (V,) with OpenAI's penalties and bias: ``raw - frequency_penalty * count - presence_penalty *
+    (count > 0) + logit_bias``, ``count`` each token's occurrences in the generated tokens (not the prompt's).
+
+    Example:
+        >>> adjusted(SamplingParams(presence_penalty=1.0, logit_bias={0: -5.0}), [2, 2], torch.zeros(4)).tolist()
+        [-5.0, 0.0, -1.0, 0.0]
+    """
+    if not (params.frequency_penalty or params.presence_penalty or params.logit_bias):
+        return raw
+    scores = raw.clone()
+    if generated and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(generated, device=raw.device), minlength=raw.numel())  # (V,)
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=raw.device)
+        scores[ids] += torch.tensor(list(params.logit_bias.values()), dtype=scores.dtype, device=raw.device)
+    return scores
 
 
 def _warpers(params: SamplingParams):

@@ -60,6 +60,10 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     num_return_sequences: int = 1
     top_logprobs: int = 0
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times each token's count in the generated text so far
+    presence_penalty: float = 0.0  # minus this for each token the generated text holds at least once
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's log-probability and the k likeliest
 
 
 _arrivals = itertools.count()
@@ -82,6 +86,8 @@ class Sequence:
     keys: list[bytes] = field(default_factory=list)  # prefix keys of the full blocks of ``tokens``
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # the first token's None: nothing before it
+    prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length"
     generator: torch.Generator | None = None
     arrival: int = field(default_factory=lambda: next(_arrivals))
@@ -96,6 +102,11 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt tokens still need their log-probabilities (so none may come from the prefix cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt)
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id!r})"
@@ -217,7 +228,7 @@ class Scheduler:
         """Start ``seq`` from the longest cached prefix (at least one token left to compute): full layers need
         its every block, sliding layers the blocks of its last window."""
         seq.tables = {kind: [] for kind in self.pools}
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.scores_prompt:
             return
         full = len(self._prefix_keys(seq))
         found = {kind: pool.lookup(seq.keys[:full]) for kind, (pool, _) in self.pools.items()}

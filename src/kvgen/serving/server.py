@@ -2,7 +2,11 @@
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or server-sent events
 with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
-Beyond OpenAI's fields a body may set ``ignore_eos`` (as vLLM and llama.cpp's server do).
+``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` act as OpenAI's (on the generated tokens;
+the logprobs stay the model's). Completions also take ``echo`` (the prompt before the answer; with ``logprobs``,
+its tokens' too; ``max_tokens: 0`` scores the prompt alone), ``best_of`` (the ``n`` of the highest
+log-probability per token) and ``suffix`` (fill-in-the-middle, where the tokenizer has FIM tokens). Beyond OpenAI's fields a body may set ``ignore_eos`` (as vLLM and llama.cpp's
+server do).
 The server validates, turns each HTTP request into engine requests and streams back; all of the
 policy lives in the scheduler. Errors are OpenAI's body ``{"error": {"message", "type", "param",
 "code"}}``: 400 bad values, 401 wrong key, 404 unknown model or route, 422 wrong types, 429 full
@@ -36,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from kvgen.serving.engine import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, QueueFull
+from kvgen.tokenizer import fill_in_the_middle_tokens
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
@@ -70,18 +75,19 @@ class _Body(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, bool] | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> -100 to 100
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
 
 
 class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt scored and nothing generated
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1)
 
 
 class _Message(BaseModel):
@@ -111,13 +117,18 @@ def _parse(schema: type[_Body], raw: bytes, max_n: int) -> _Body:
         param = ".".join(map(str, first["loc"])) or None
         raise APIError(400 if first["type"] in _RANGE_ERRORS else 422, f"{param or 'body'}: {first['msg']}",
                        param=param) from None
-    unsupported = {"frequency_penalty": body.frequency_penalty, "presence_penalty": body.presence_penalty,
-                   "logit_bias": body.logit_bias, "echo": getattr(body, "echo", False),
-                   "suffix": getattr(body, "suffix", None), "tools": getattr(body, "tools", None),
-                   "best_of": getattr(body, "best_of", None) not in (None, body.n)}
-    for name, value in unsupported.items():
-        _check(not value, name, f"{name} is not supported; leave it unset")
+    for token, bias in (body.logit_bias or {}).items():
+        _check(token.isdigit(), "logit_bias", f"logit_bias keys are token ids, not {token!r}")
+        _check(-100 <= bias <= 100, "logit_bias", f"logit_bias values must be between -100 and 100, not {bias}")
+    _check(not getattr(body, "tools", None), "tools", "tools is not supported; leave it unset")
     _check(body.n <= max_n, "n", f"n must be at most {max_n}")
+    if isinstance(body, CompletionRequest):
+        _check(body.max_tokens != 0 or body.echo, "max_tokens", "max_tokens must be at least 1 (0 only with "
+               "echo: true, which scores the prompt)")
+        best_of = body.best_of or body.n
+        _check(best_of >= body.n, "best_of", f"best_of ({best_of}) must be at least n ({body.n})")
+        _check(best_of <= max_n, "best_of", f"best_of must be at most {max_n}")
+        _check(best_of == body.n or not body.stream, "best_of", "best_of cannot be streamed: leave stream unset")
     _check(all(body.stop) if isinstance(body.stop, list) else body.stop != "", "stop", "stop strings must not be empty")
     return body
 
@@ -316,8 +327,8 @@ class _Text:
     """One choice's text: decoded as tokens arrive, cut before the first stop string (which the engine
     keeps), and held back while its end may still become a stop string or a multi-byte character."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops: list[str], hidden: bool = False):
+        self.tokenizer, self.stops, self.hidden = tokenizer, stops, hidden  # hidden: a prompt scored, no text
         self.hold = max(map(len, stops), default=1) - 1
         self.chars = self.tokens = 0  # text and tokens handed out so far
         self.stopped = False
@@ -325,7 +336,7 @@ class _Text:
     def advance(self, output: GenerationOutput) -> tuple[str, int, int]:
         """The text not handed out yet, and the tokens ``[start, end)`` that go with it."""
         start = self.tokens
-        if self.stopped:
+        if self.stopped or self.hidden:
             return "", start, start
         ids, decode = output.generated_tokens, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         text = decode(ids)
@@ -341,20 +352,32 @@ class _Text:
         return new, start, end
 
     def finish_reason(self, output: GenerationOutput) -> str | None:
+        if self.hidden:
+            return "length" if output.is_finished() else None
         return "stop" if self.stopped else output.finish_reason
 
 
-def _logprobs(tokenizer, output: GenerationOutput, start: int, end: int, chat: bool, offset: int) -> dict:
-    """OpenAI's ``logprobs`` of the tokens ``[start, end)``: chat's ``content`` list or the completions' columns."""
-    words = [tokenizer.decode([t]) for t in output.generated_tokens[start:end]]
-    values = output.logprobs[start:end]
-    tops = [[(tokenizer.decode([t]), lp) for t, lp in top.items()] for top in output.top_logprobs[start:end]]
+def _logprobs(tokenizer, tokens: list[int], values: list, tops: list, chat: bool, offset: int) -> dict:
+    """OpenAI's ``logprobs`` of ``tokens`` (their log-probabilities, their top alternatives: token -> value; None
+    for a prompt's first token): chat's ``content`` list or the completions' columns, text offsets from ``offset``."""
+    words = [tokenizer.decode([t]) for t in tokens]
+    tops = [None if top is None else [(tokenizer.decode([t]), lp) for t, lp in top.items()] for top in tops]
     if chat:
         entry = lambda w, lp: {"token": w, "logprob": lp, "bytes": list(w.encode())}  # noqa: E731
         return {"content": [{**entry(w, lp), "top_logprobs": [entry(*alt) for alt in top]}
                             for w, lp, top in zip(words, values, tops)]}
-    return {"tokens": words, "token_logprobs": values, "top_logprobs": [dict(top) for top in tops],
+    return {"tokens": words, "token_logprobs": list(values), "top_logprobs": [top and dict(top) for top in tops],
             "text_offset": [offset + sum(map(len, words[:i])) for i in range(len(words))]}
+
+
+def _best(finals: dict[int, GenerationOutput], per_prompt: int, n: int) -> list[int]:
+    """Of each prompt's ``per_prompt`` sequences (``best_of``), the ``n`` of the highest log-probability per token
+    (as OpenAI picks), best first; all of them, in order, where ``per_prompt == n``."""
+    if per_prompt == n:
+        return sorted(finals)
+    mean = lambda i: sum(finals[i].logprobs) / max(1, len(finals[i].logprobs))  # noqa: E731
+    return [i for p in range(0, len(finals), per_prompt)
+            for i in sorted(range(p, p + per_prompt), key=mean, reverse=True)[:n]]
 
 
 def _sse(payload: dict) -> str:
@@ -395,14 +418,21 @@ class Service:
             raise APIError(503, f"the engine is not running ({self.manager.error!r})")
 
     def submit(self, prompts: list[list[int]], body: _Body, stops: list[str], max_tokens: int | None,
-               top_logprobs: int) -> _Job:
+               top_logprobs: int, n: int, prompt_logprobs: int | None = None) -> _Job:
         """Add one engine request per prompt (``n`` sequences each); all or none are added."""
         self.check_ready()
         t = body.temperature  # 0: greedy; unset (with top_p unset): the model's generation config
         sampling = dict(do_sample=None if t is None and body.top_p is None else t != 0, temperature=t or None,
-                        top_p=body.top_p, seed=body.seed, stop_strings=stops or None, num_return_sequences=body.n,
-                        top_logprobs=top_logprobs, eos_token_id=[] if body.ignore_eos else None)
-        job = _Job(prompts, body.n)
+                        top_p=body.top_p, seed=body.seed, stop_strings=stops or None, num_return_sequences=n,
+                        top_logprobs=top_logprobs, eos_token_id=[] if body.ignore_eos else None,
+                        prompt_logprobs=prompt_logprobs)
+        bias = {int(token): value for token, value in (body.logit_bias or {}).items()}
+        vocab = self.manager.model.config.get("vocab_size")
+        _check(vocab is None or all(token < vocab for token in bias), "logit_bias", f"logit_bias names a token outside the "
+               f"vocabulary of {vocab}")
+        sampling.update(frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
+                        logit_bias=bias)
+        job = _Job(prompts, n)
         for p, prompt in enumerate(prompts):
             ids = job.engine_ids(p)
             self.dispatcher.register(job, ids, p * body.n)
@@ -455,17 +485,34 @@ class Service:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def respond(self, request: Request, body: _Body, prompts: list[list[int]], max_tokens: int | None,
-                      logprobs: int | None):
-        """Submit, then answer with one JSON body or a stream of server-sent events."""
+                      logprobs: int | None, echo: list[str] | None = None):
+        """Submit, then answer with one JSON body or a stream of server-sent events. ``echo``: each prompt's text,
+        put before its choices' text (and its tokens before their logprobs); with ``max_tokens`` 0 the prompt is
+        scored and nothing generated. ``best_of`` sequences a prompt, of which the ``n`` likeliest are answered."""
         chat, stops = isinstance(body, ChatRequest), [body.stop] if isinstance(body.stop, str) else body.stop or []
-        job = self.submit(prompts, body, stops, max_tokens, logprobs or 0)
-        texts = [_Text(self.tokenizer, stops) for _ in range(len(prompts) * body.n)]
+        score_only, per_prompt = max_tokens == 0, getattr(body, "best_of", None) or body.n
+        job = self.submit(prompts, body, stops, 1 if score_only else max_tokens, logprobs or 0, per_prompt,
+                          prompt_logprobs=logprobs if echo is not None and logprobs is not None else None)
+        texts = [_Text(self.tokenizer, stops, hidden=score_only) for _ in range(len(prompts) * per_prompt)]
+        echoed: set[int] = set()  # sequences whose prompt went out already
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job.key}", "created": int(time.time()),
                 "model": self.model_name}
 
-        def choice(index: int, output: GenerationOutput, text: str, start: int, end: int, finish: str | None):
-            lp = None if logprobs is None else _logprobs(self.tokenizer, output, start, end, chat,
-                                                         texts[index].chars - len(text))
+        def choice(index: int, sequence: int, output: GenerationOutput, text: str, start: int, end: int,
+                   finish: str | None):
+            """Choice ``index`` of the answer, from the job's ``sequence``: ``text`` and tokens [start, end)."""
+            echoing, prompt = echo is not None and sequence not in echoed, sequence // per_prompt
+            echoed.add(sequence)
+            lp = None
+            if logprobs is not None:
+                at = (len(echo[prompt]) if echo is not None else 0) + texts[sequence].chars - len(text)
+                lp = _logprobs(self.tokenizer, output.generated_tokens[start:end], output.logprobs[start:end],
+                               output.top_logprobs[start:end], chat, at)
+                if echoing:
+                    before = _logprobs(self.tokenizer, output.prompt_ids, output.prompt_logprobs,
+                                       output.prompt_top_logprobs, chat, 0)
+                    lp = {key: before[key] + lp[key] for key in lp}
+            text = (echo[prompt] if echoing else "") + text
             if not chat:
                 content = {"text": text}
             elif body.stream:
@@ -474,12 +521,18 @@ class Service:
                 content = {"message": {"role": "assistant", "content": text}}
             return {"index": index, **content, "logprobs": lp, "finish_reason": finish}
 
+        def usage(finals: dict[int, GenerationOutput]) -> dict:
+            counts = self.usage(job, finals)
+            if score_only:
+                counts.update(completion_tokens=0, total_tokens=counts["prompt_tokens"])
+            return counts
+
         if not body.stream:
             finals = {index: output async for index, output in self.outputs(job, request)}
-            choices = [choice(i, finals[i], *texts[i].advance(finals[i]), texts[i].finish_reason(finals[i]))
-                       for i in sorted(finals)]
+            choices = [choice(i, s, finals[s], *texts[s].advance(finals[s]), texts[s].finish_reason(finals[s]))
+                       for i, s in enumerate(_best(finals, per_prompt, body.n))]
             return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
-                                 "choices": choices, "usage": self.usage(job, finals)})
+                                 "choices": choices, "usage": usage(finals)})
         chunk = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
         async def events():
@@ -488,15 +541,16 @@ class Service:
                 for i in range(len(texts) if chat else 0):
                     yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}]})
-                async for index, output in self.outputs(job, None):
+                async for index, output in self.outputs(job, None):  # streamed: best_of is n
                     text, start, end = texts[index].advance(output)
                     finish = texts[index].finish_reason(output) if output.is_finished() else None
                     if finish:
                         finals[index] = output
-                    if text or finish or (logprobs is not None and end > start):
-                        yield _sse({**chunk, "choices": [choice(index, output, text, start, end, finish)]})
+                    if text or finish or (logprobs is not None and end > start) or \
+                            (echo is not None and index not in echoed):
+                        yield _sse({**chunk, "choices": [choice(index, index, output, text, start, end, finish)]})
                 if (body.stream_options or {}).get("include_usage"):
-                    yield _sse({**chunk, "choices": [], "usage": self.usage(job, finals)})
+                    yield _sse({**chunk, "choices": [], "usage": usage(finals)})
             except APIError as error:
                 yield _sse(error.body())
             yield "data: [DONE]\n\n"
@@ -563,8 +617,18 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         _check(bool(prompt), "prompt", "the prompt is empty")
-        prompts = [service.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
-        return await service.respond(request, body, prompts, body.max_tokens or 16, body.logprobs)
+        if body.suffix is not None:
+            fim = fill_in_the_middle_tokens(service.tokenizer)
+            _check(fim is not None, "suffix", "this model's tokenizer has no fill-in-the-middle tokens "
+                   "(<|fim_prefix|>, <fim_prefix> or <PRE> and theirs): leave suffix unset")
+            _check(all(isinstance(p, str) for p in prompt), "suffix", "suffix needs text prompts, not token ids")
+            encode = lambda text: service.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            prompts = [[fim[0], *encode(p), fim[1], *encode(body.suffix), fim[2]] for p in prompt]
+        else:
+            prompts = [service.tokenizer(p)["input_ids"] if isinstance(p, str) else list(p) for p in prompt]
+        echo = [p if isinstance(p, str) else service.tokenizer.decode(p) for p in prompt] if body.echo else None
+        return await service.respond(request, body, prompts, 16 if body.max_tokens is None else body.max_tokens,
+                                     body.logprobs, echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
