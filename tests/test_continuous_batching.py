@@ -3,6 +3,7 @@ preemption, prefix-cache hits, chunked prefill, cancellation; the block pool; cl
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -262,6 +263,56 @@ def test_prompt_logprobs_score_every_prompt_token_across_chunks_cache_hits_and_s
     assert without.prompt_logprobs == [] and without.cached_prompt_tokens > 0  # the prefix cache still serves others
     with pytest.raises(ValueError, match="prompt_logprobs must be None or 0 to 20"):
         manager.add_request([1], prompt_logprobs=21)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                          "pet": {"enum": ["cat", "dog", "none"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+def test_a_grammar_makes_every_reply_valid_json_for_its_schema(smollm):
+    """SmolLM2-135M-Instruct, asked in its chat template, with llguidance's grammar of a schema (and of any JSON
+    object): every reply, greedy or sampled, n siblings, beside an unconstrained request, parses and validates, and
+    ends by itself (finish_reason "stop"); the unconstrained reply to the same prompt is not such JSON."""
+    import jsonschema
+
+    from kvgen.serving.grammar import response_grammar
+
+    model, tokenizer = smollm
+    ask = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
+                                                    add_generation_prompt=True)
+    person = response_grammar({"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    anything = response_grammar({"type": "json_object"})
+    with model.init_continuous_batching(tokenizer=tokenizer, continuous_batching_config=cb(num_blocks=200)) as manager:
+        prompt = ask("Who is Ada Lovelace?")
+        free = manager.add_request(prompt, max_new_tokens=48)
+        greedy = manager.add_request(prompt, max_new_tokens=48, grammar=person)
+        sampled = manager.add_request(prompt, max_new_tokens=48, grammar=person, do_sample=True, temperature=1.0,
+                                      seed=3, num_return_sequences=2)
+        objects = manager.add_request(ask("Describe a cat as a JSON object."), max_new_tokens=96, grammar=anything)
+        replies = {rid: manager.get_result(rid, timeout=120) for rid in (greedy, sampled, f"{sampled}__child#0")}
+        any_object = manager.get_result(objects, timeout=120)
+        unconstrained = tokenizer.decode(manager.get_result(free, timeout=120).generated_tokens, skip_special_tokens=True)
+    for rid, out in replies.items():
+        text = tokenizer.decode(out.generated_tokens, skip_special_tokens=True)
+        assert out.finish_reason == "stop", (rid, text)
+        jsonschema.validate(json.loads(text), PERSON)
+    assert any_object.finish_reason == "stop"
+    assert isinstance(json.loads(tokenizer.decode(any_object.generated_tokens, skip_special_tokens=True)), dict)
+    with pytest.raises((ValueError, jsonschema.ValidationError)):
+        jsonschema.validate(json.loads(unconstrained), PERSON)
+
+
+def test_response_formats_that_name_no_grammar_are_refused():
+    from kvgen.serving.grammar import GrammarError, response_grammar
+
+    assert response_grammar(None) is None and response_grammar({"type": "text"}) is None
+    for bad, message in [({"type": "xml"}, "text, json_object or json_schema"),
+                         ({"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, "schema a JSON object"),
+                         ({"type": "json_schema", "json_schema": {"schema": {"type": "strang"}}}, "strang")]:
+        with pytest.raises(GrammarError, match=message):
+            response_grammar(bad)
 
 
 def test_eos_stops_one_request_and_not_the_others(model):

@@ -304,6 +304,97 @@ def test_suffix_fills_in_the_middle(server, reference):
     assert info.value.body["param"] == "suffix"
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "pet": {"enum": ["cat", "dog"]}},
+          "required": ["name", "age", "pet"], "additionalProperties": False}
+
+
+def test_response_format_constrains_every_choice_to_the_schema(server):
+    """``response_format`` json_schema on chat and completions, streamed or not, ``n=3`` sampled: every choice of
+    the random model is JSON valid for the schema and ends by itself; json_object gives an object; a bad schema
+    or type is a 400 naming response_format."""
+    import jsonschema
+
+    client = server.client()
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    messages = [{"role": "user", "content": "Who are you?"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, n=3, temperature=1.0,
+                                          seed=5, response_format=schema_format)
+    texts = [c.message.content for c in chat.choices]
+    assert [c.finish_reason for c in chat.choices] == ["stop"] * 3 and len(set(texts)) > 1
+    streamed = stream_text(client.chat.completions.create(model="tiny", messages=messages, max_tokens=64,
+                                                          temperature=0, stream=True, response_format=schema_format),
+                           chat=True)
+    completion = client.completions.create(model="tiny", prompt="A person:", max_tokens=64, temperature=0,
+                                           extra_body={"response_format": schema_format})
+    for text in [*texts, streamed[0], completion.choices[0].text]:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert streamed[1] == "stop" and completion.choices[0].finish_reason == "stop"
+    free = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, temperature=0)
+    assert not free.choices[0].message.content.startswith('{"name": ')  # the schema, not the model, made the JSON
+    obj = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strang"}}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, response_format=bad)
+        assert info.value.body["param"] == "response_format"
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "weather", "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_forced_by_tool_choice_and_a_conversation_with_their_results(server):
+    """A named ``tool_choice`` and ``"required"`` hold the random model to the tools' parameters: its reply comes
+    back as ``tool_calls`` (arguments valid for the schema, finish_reason "tool_calls"), streamed or not; the
+    conversation goes on with the call and the tool's answer in the messages; ``"auto"`` with a reply that calls
+    nothing is plain content."""
+    import jsonschema
+
+    client = server.client()
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    named = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                           tools=[WEATHER, TIME],
+                                           tool_choice={"type": "function", "function": {"name": "weather"}})
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    required = client.chat.completions.create(model="tiny", messages=messages, max_tokens=80, temperature=1.0,
+                                              seed=2, n=2, tools=[WEATHER, TIME], tool_choice="required",
+                                              parallel_tool_calls=False)
+    for c in required.choices:
+        (one,) = c.message.tool_calls
+        schema = {"weather": WEATHER, "time": TIME}[one.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(one.function.arguments), schema)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                            tools=[WEATHER], tool_choice={"type": "function",
+                                                                          "function": {"name": "weather"}},
+                                            stream=True)
+    deltas = [c.choices[0] for c in stream if c.choices]
+    streamed = [t for d in deltas for t in d.delta.tool_calls or []]
+    assert [t.function.arguments for t in streamed] == [call.function.arguments]  # greedy: the same call
+    assert deltas[-1].finish_reason == "tool_calls" and not "".join(d.delta.content or "" for d in deltas)
+    follow_up = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]
+    answer = client.chat.completions.create(model="tiny", messages=follow_up, max_tokens=6, temperature=0,
+                                            tools=[WEATHER])
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+    assert answer.usage.prompt_tokens > named.usage.prompt_tokens  # the call and its answer are in the prompt
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, tools=[WEATHER],
+                                       tool_choice={"type": "function", "function": {"name": "launch"}})
+    assert info.value.body["param"] == "tool_choice"
+
+
 def test_ignore_eos_goes_on_past_the_end_of_sequence_token(tiny, reference, tmp_path):
     """The tiny checkpoint again, with its end-of-sequence token set to the third token it answers with."""
     prompt = "Once upon a time, there was a"

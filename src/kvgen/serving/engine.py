@@ -30,6 +30,7 @@ from kvgen.cache.paged import PagedAttentionCache
 from kvgen.generation.config import GenerationConfig
 from kvgen.models.linear import pack_weights
 from kvgen.serving.blocks import BlockPool
+from kvgen.serving.grammar import Grammars
 from kvgen.serving.runner import ModelRunner
 from kvgen.serving.scheduler import RequestStatus, SamplingParams, Scheduler, Sequence
 from kvgen.serving.store import open_store
@@ -189,14 +190,15 @@ class ContinuousBatchingManager:
                     top_p: float | None = None, seed: int | None = None, stop_strings: str | list[str] | None = None,
                     num_return_sequences: int | None = None, top_logprobs: int = 0, frequency_penalty: float = 0.0,
                     presence_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
-                    prompt_logprobs: int | None = None) -> str:
+                    prompt_logprobs: int | None = None, grammar: str | None = None) -> str:
         """Queue a request; returns its id. Settings left ``None`` come from the manager's generation config.
 
         ``frequency_penalty``, ``presence_penalty`` (-2 to 2) and ``logit_bias`` (token id -> -100 to 100) act as
         OpenAI's (:func:`kvgen.serving.runner.adjusted`), on greedy and sampled choices alike. ``prompt_logprobs=k``
         (0-20) scores the prompt too: each prompt token's log-probability given the tokens before it (None for the
         first) and its ``k`` likeliest alternatives, in the outputs' ``prompt_logprobs`` and ``prompt_top_logprobs``
-        (its blocks are computed, not taken from the prefix cache).
+        (its blocks are computed, not taken from the prefix cache). ``grammar`` (llguidance's, e.g. from
+        :func:`kvgen.serving.grammar.response_grammar`) constrains every reply to it; it needs the tokenizer.
 
         With ``num_return_sequences=n > 1`` the request yields ``n`` results: ``request_id`` and
         ``f"{request_id}__child#{i}"``, which share the prompt's cached blocks.
@@ -213,8 +215,10 @@ class ContinuousBatchingManager:
             stop_strings=tuple(_as_list(stop_strings)),
             num_return_sequences=num_return_sequences or g.num_return_sequences or 1, top_logprobs=top_logprobs,
             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-            logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()}, prompt_logprobs=prompt_logprobs)
+            logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()}, prompt_logprobs=prompt_logprobs,
+            grammar=grammar)
         prompt = self._check_request(input_ids, params)
+        matcher = self._matcher(grammar)
         with self._lock:
             request_id = request_id if request_id is not None else f"req_{next(self._counter)}"
             if request_id in self._handles:
@@ -225,9 +229,20 @@ class ContinuousBatchingManager:
             ids = [request_id] + [f"{request_id}__child#{i}" for i in range(params.num_return_sequences - 1)]
             for rid in ids:
                 self._handles[rid] = _Handle(rid, streaming)
-        self._incoming.put(("add", Sequence(request_id, prompt, params)))
+        self._incoming.put(("add", Sequence(request_id, prompt, params, matcher=matcher)))
         self._wake.set()
         return request_id
+
+    def _matcher(self, grammar: str | None):
+        """A fresh matcher of ``grammar`` (None without one); the tokenizer's vocabulary read on first use."""
+        if grammar is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("a grammar needs the tokenizer: init_continuous_batching(tokenizer=...)")
+        if self.runner.grammars is None:
+            eos = _as_list(self.generation_config.eos_token_id) or _as_list(self.tokenizer.eos_token_id)
+            self.runner.grammars = Grammars(self.tokenizer, self.model.config.vocab_size, eos)
+        return self.runner.grammars.matcher(grammar)
 
     def add_requests(self, inputs: list[list[int]], max_new_tokens: int | None = None, streaming: bool = False,
                      **settings) -> list[str]:
@@ -409,7 +424,7 @@ class ContinuousBatchingManager:
         for i in range(seq.params.num_return_sequences - 1):
             params = SamplingParams(**{**vars(seq.params), "seed": None if seq.params.seed is None
                                        else seq.params.seed + i + 1})
-            child = Sequence(f"{seq.request_id}__child#{i}", seq.prompt, params,
+            child = Sequence(f"{seq.request_id}__child#{i}", seq.prompt, params, matcher=self._matcher(params.grammar),
                              prompt_logprobs=list(seq.prompt_logprobs), prompt_top_logprobs=list(seq.prompt_top_logprobs))
             self.scheduler.add(child, front=True)  # its prompt scored already: it may take the parent's blocks
 

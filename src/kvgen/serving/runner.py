@@ -19,6 +19,7 @@ import torch
 from kvgen.cache.paged import PagedAttentionCache
 from kvgen.generation.logits import temperature, top_k, top_p
 from kvgen.models.decode_blocks import eager_blocks
+from kvgen.serving.grammar import Grammars, Masks
 from kvgen.serving.scheduler import SamplingParams, Sequence
 
 
@@ -28,6 +29,7 @@ class ModelRunner:
     def __init__(self, model, cache: PagedAttentionCache):
         self.model, self.cache = model, cache
         self.device = model.device
+        self.grammars: Grammars | None = None  # set by the engine with the first constrained request
 
     @torch.no_grad()
     def step(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, float, dict[int, float]]]:
@@ -64,7 +66,9 @@ class ModelRunner:
                 slots.append(seq_slots[seq.num_computed:end])
             steps[kind] = (torch.cat(slots).to(device), key_positions[row_seq_t].to(device))  # (T,), (T, used)
         self.cache.begin_step(steps)
-        positions_t = torch.cat(positions).to(device)
+        constrained = [seq for seq, _ in sampled if seq.matcher is not None]
+        masks = Masks(self.grammars, [seq.matcher for seq in constrained]).start() if constrained else None
+        positions_t = torch.cat(positions).to(device)  # the masks are computed meanwhile, in llguidance's threads
         with eager_blocks():  # compiled blocks would compile a graph per batch size: seconds each
             logits = self.model(torch.tensor([ids], device=device), position_ids=positions_t[None],
                                 cache_position=positions_t, past_key_values=self.cache, use_cache=True,
@@ -73,15 +77,26 @@ class ModelRunner:
             value, top = logprob_of(logits[j].float(), token, seq.params.prompt_logprobs)
             seq.prompt_logprobs.append(value)
             seq.prompt_top_logprobs.append(top)
-        return [(seq, *choose(seq, logits[j].float())) for seq, j in sampled]
+        allowed = dict(zip(map(id, constrained), masks.wait().to(device))) if masks else {}
+        chosen = [(seq, *choose(seq, logits[j].float(), allowed.get(id(seq)))) for seq, j in sampled]
+        for seq, token, _, _ in chosen:
+            if seq.matcher is not None:
+                seq.matcher.consume_token(token)
+        return chosen
 
 
-def choose(seq: Sequence, raw: torch.Tensor) -> tuple[int, float, dict[int, float]]:
-    """Next token of ``seq`` from its raw logits (V,), penalized and biased (:func:`adjusted`), greedy or sampled;
-    with its log-probability under the model (the raw logits', as vLLM reports them) and the ``top_logprobs`` most
-    likely alternatives."""
+def choose(seq: Sequence, raw: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[int, float, dict[int, float]]:
+    """Next token of ``seq`` from its raw logits (V,), penalized and biased (:func:`adjusted`), among the
+    ``allowed`` ones (V,) bool where its grammar says (none left: only its end-of-sequence tokens), greedy or
+    sampled; with its log-probability under the model (the raw logits', as vLLM reports them) and the
+    ``top_logprobs`` most likely alternatives."""
     params: SamplingParams = seq.params
     scores = adjusted(params, seq.generated, raw)[None]  # (1, V)
+    if allowed is not None:
+        if not allowed.any() and params.eos_token_ids:
+            allowed = torch.zeros_like(allowed)
+            allowed[list(params.eos_token_ids)] = True
+        scores = scores.masked_fill(~allowed, float("-inf"))
     if params.do_sample:
         for processor in _warpers(params):
             scores = processor(None, scores)

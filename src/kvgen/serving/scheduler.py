@@ -26,7 +26,7 @@ from collections import deque
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,6 +64,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this for each token the generated text holds at least once
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's log-probability and the k likeliest
+    grammar: str | None = None  # llguidance's grammar the reply must follow (kvgen.serving.grammar)
 
 
 _arrivals = itertools.count()
@@ -94,6 +95,7 @@ class Sequence:
     preemptions: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     fetching: Future | None = None  # its prompt's blocks being read from the shared store
+    matcher: Any = None  # its grammar's llguidance matcher, at the reply's tokens so far
 
     def __post_init__(self):
         if not self.tokens:

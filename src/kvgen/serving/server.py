@@ -5,7 +5,9 @@ with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics``
 ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` act as OpenAI's (on the generated tokens;
 the logprobs stay the model's). Completions also take ``echo`` (the prompt before the answer; with ``logprobs``,
 its tokens' too; ``max_tokens: 0`` scores the prompt alone), ``best_of`` (the ``n`` of the highest
-log-probability per token) and ``suffix`` (fill-in-the-middle, where the tokenizer has FIM tokens). Beyond OpenAI's fields a body may set ``ignore_eos`` (as vLLM and llama.cpp's
+log-probability per token) and ``suffix`` (fill-in-the-middle, where the tokenizer has FIM tokens). Both routes
+take ``response_format`` (``json_object``, ``json_schema``: every reply valid JSON for the schema; llguidance's
+masks, :mod:`kvgen.serving.grammar`); chat takes ``tools`` and ``tool_choice`` (:mod:`kvgen.serving.tools`). Beyond OpenAI's fields a body may set ``ignore_eos`` (as vLLM and llama.cpp's
 server do).
 The server validates, turns each HTTP request into engine requests and streams back; all of the
 policy lives in the scheduler. Errors are OpenAI's body ``{"error": {"message", "type", "param",
@@ -40,6 +42,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from kvgen.serving.engine import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, QueueFull
+from kvgen.serving.grammar import GrammarError, response_grammar
+from kvgen.serving.tools import ToolError, ToolPlan, template_messages
 from kvgen.tokenizer import fill_in_the_middle_tokens
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
@@ -78,6 +82,7 @@ class _Body(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> -100 to 100
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
 
 
@@ -94,6 +99,9 @@ class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: str
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer to one
 
 
 class ChatRequest(_Body):
@@ -102,6 +110,8 @@ class ChatRequest(_Body):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
 
 
 _RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short"}
@@ -120,7 +130,6 @@ def _parse(schema: type[_Body], raw: bytes, max_n: int) -> _Body:
     for token, bias in (body.logit_bias or {}).items():
         _check(token.isdigit(), "logit_bias", f"logit_bias keys are token ids, not {token!r}")
         _check(-100 <= bias <= 100, "logit_bias", f"logit_bias values must be between -100 and 100, not {bias}")
-    _check(not getattr(body, "tools", None), "tools", "tools is not supported; leave it unset")
     _check(body.n <= max_n, "n", f"n must be at most {max_n}")
     if isinstance(body, CompletionRequest):
         _check(body.max_tokens != 0 or body.echo, "max_tokens", "max_tokens must be at least 1 (0 only with "
@@ -380,6 +389,14 @@ def _best(finals: dict[int, GenerationOutput], per_prompt: int, n: int) -> list[
             for i in sorted(range(p, p + per_prompt), key=mean, reverse=True)[:n]]
 
 
+def _read_calls(tools: ToolPlan, reply: str) -> tuple[str | None, list[dict]]:
+    """A whole reply's (content, tool calls); a forced call cut short (max_tokens) stays content."""
+    try:
+        return tools.read(reply)
+    except (ValueError, KeyError, TypeError):
+        return reply, []
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -418,7 +435,7 @@ class Service:
             raise APIError(503, f"the engine is not running ({self.manager.error!r})")
 
     def submit(self, prompts: list[list[int]], body: _Body, stops: list[str], max_tokens: int | None,
-               top_logprobs: int, n: int, prompt_logprobs: int | None = None) -> _Job:
+               top_logprobs: int, n: int, prompt_logprobs: int | None = None, grammar: str | None = None) -> _Job:
         """Add one engine request per prompt (``n`` sequences each); all or none are added."""
         self.check_ready()
         t = body.temperature  # 0: greedy; unset (with top_p unset): the model's generation config
@@ -431,7 +448,7 @@ class Service:
         _check(vocab is None or all(token < vocab for token in bias), "logit_bias", f"logit_bias names a token outside the "
                f"vocabulary of {vocab}")
         sampling.update(frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty,
-                        logit_bias=bias)
+                        logit_bias=bias, grammar=grammar)
         job = _Job(prompts, n)
         for p, prompt in enumerate(prompts):
             ids = job.engine_ids(p)
@@ -445,6 +462,8 @@ class Service:
                 if isinstance(error, QueueFull):
                     raise APIError(429, f"the server is busy: {error}", code="queue_full",
                                    headers={"Retry-After": str(self.retry_after)}) from None
+                if isinstance(error, GrammarError):
+                    raise APIError(400, str(error), param="response_format") from None
                 raise APIError(400, str(error).replace("max_new_tokens", "max_tokens"),
                                param="messages" if isinstance(body, ChatRequest) else "prompt") from None
             job.parents.append(ids[0])
@@ -485,14 +504,24 @@ class Service:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
     async def respond(self, request: Request, body: _Body, prompts: list[list[int]], max_tokens: int | None,
-                      logprobs: int | None, echo: list[str] | None = None):
+                      logprobs: int | None, echo: list[str] | None = None, tools: ToolPlan | None = None):
         """Submit, then answer with one JSON body or a stream of server-sent events. ``echo``: each prompt's text,
         put before its choices' text (and its tokens before their logprobs); with ``max_tokens`` 0 the prompt is
-        scored and nothing generated. ``best_of`` sequences a prompt, of which the ``n`` likeliest are answered."""
+        scored and nothing generated. ``best_of`` sequences a prompt, of which the ``n`` likeliest are answered.
+        ``tools``: a chat's tool calls, forced by their grammar or read from each reply."""
         chat, stops = isinstance(body, ChatRequest), [body.stop] if isinstance(body.stop, str) else body.stop or []
         score_only, per_prompt = max_tokens == 0, getattr(body, "best_of", None) or body.n
+        try:
+            grammar = response_grammar(body.response_format)
+        except GrammarError as error:
+            raise APIError(400, str(error), param="response_format") from None
+        if tools is not None and tools.grammar is not None:
+            _check(grammar is None, "response_format", "a forced tool call and a response_format cannot go "
+                   "together: leave one unset")
+            grammar = tools.grammar
         job = self.submit(prompts, body, stops, 1 if score_only else max_tokens, logprobs or 0, per_prompt,
-                          prompt_logprobs=logprobs if echo is not None and logprobs is not None else None)
+                          prompt_logprobs=logprobs if echo is not None and logprobs is not None else None,
+                          grammar=grammar)
         texts = [_Text(self.tokenizer, stops, hidden=score_only) for _ in range(len(prompts) * per_prompt)]
         echoed: set[int] = set()  # sequences whose prompt went out already
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{job.key}", "created": int(time.time()),
@@ -531,6 +560,11 @@ class Service:
             finals = {index: output async for index, output in self.outputs(job, request)}
             choices = [choice(i, s, finals[s], *texts[s].advance(finals[s]), texts[s].finish_reason(finals[s]))
                        for i, s in enumerate(_best(finals, per_prompt, body.n))]
+            for c in choices if tools is not None else ():
+                content, calls = _read_calls(tools, c["message"]["content"])
+                if calls:
+                    c["message"].update(content=content, tool_calls=calls)
+                    c["finish_reason"] = "tool_calls"
             return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion",
                                  "choices": choices, "usage": usage(finals)})
         chunk = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
@@ -541,11 +575,25 @@ class Service:
                 for i in range(len(texts) if chat else 0):
                     yield _sse({**chunk, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                       "logprobs": None, "finish_reason": None}]})
+                replies, sent = [""] * len(texts), [0] * len(texts)  # with tools: each reply, and its content sent
                 async for index, output in self.outputs(job, None):  # streamed: best_of is n
                     text, start, end = texts[index].advance(output)
                     finish = texts[index].finish_reason(output) if output.is_finished() else None
                     if finish:
                         finals[index] = output
+                    if tools is not None:  # content up to what may be a call; the calls once the reply is whole
+                        replies[index] += text
+                        upto = len(replies[index]) if finish else tools.held(replies[index])
+                        text, calls = replies[index][sent[index]:upto], []
+                        if finish:
+                            content, calls = _read_calls(tools, replies[index])
+                            text = "" if calls else text
+                        sent[index] = max(sent[index], upto)
+                        if calls:
+                            finish = "tool_calls"
+                            yield _sse({**chunk, "choices": [{"index": index, "delta": {"tool_calls": [
+                                {"index": k, **call} for k, call in enumerate(calls)]}, "logprobs": None,
+                                "finish_reason": None}]})
                     if text or finish or (logprobs is not None and end > start) or \
                             (echo is not None and index not in echoed):
                         yield _sse({**chunk, "choices": [choice(index, index, output, text, start, end, finish)]})
@@ -634,17 +682,23 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
     async def chat_completions(request: Request):
         body = await parse(request, ChatRequest)
         _check(body.top_logprobs is None or body.logprobs, "top_logprobs", "top_logprobs needs logprobs: true")
+        try:
+            tools = ToolPlan.of(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except ToolError as error:
+            raise APIError(400, str(error), param=error.param) from None
         messages = []
         for m in body.messages:
             parts = m.content if isinstance(m.content, list) else [{"type": "text", "text": m.content or ""}]
             _check(all(part.get("type") == "text" for part in parts), "messages", "only text content is supported")
-            messages.append({"role": m.role, "content": "".join(str(part.get("text", "")) for part in parts)})
+            messages.append({"role": m.role, "content": "".join(str(part.get("text", "")) for part in parts),
+                             "name": m.name, "tool_calls": m.tool_calls, "tool_call_id": m.tool_call_id})
         try:
-            ids = service.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = service.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt=True,
+                                                        tools=tools.shown if tools is not None else None)
         except Exception as error:  # the template refuses the conversation (raise_exception, missing fields)
             raise APIError(400, f"the chat template cannot render these messages: {error}", param="messages") from None
         return await service.respond(request, body, [ids], body.max_completion_tokens or body.max_tokens,
-                                     (body.top_logprobs or 0) if body.logprobs else None)
+                                     (body.top_logprobs or 0) if body.logprobs else None, tools=tools)
 
     @app.get("/v1/models")
     async def models(request: Request):
