@@ -1,0 +1,112 @@
+"""``kvgen serve``'s request bodies and errors: the fields each route takes (wrong types answer 422, values out
+of range 400), their checks, and OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``.
+
+Example:
+    >>> body = parse_body(CompletionRequest, b'{"model": "m", "prompt": "Hi", "max_tokens": 4}', max_n=8)
+    >>> body.prompt, body.max_tokens
+    ('Hi', 4)
+"""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+_ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error answered as OpenAI does: a status and ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": _ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # like OpenAI: fields it does not know are ignored
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict[str, bool] | None = None
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> -100 to 100
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
+
+
+class CompletionRequest(Body):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt scored and nothing generated
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool's answer to one
+
+
+class ChatRequest(Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool = True
+
+
+RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short"}
+
+
+def parse_body(schema: type[Body], raw: bytes, max_n: int) -> Body:
+    try:
+        body = schema.model_validate_json(raw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"the body is not valid JSON: {first['msg']}") from None
+        param = ".".join(map(str, first["loc"])) or None
+        raise APIError(400 if first["type"] in RANGE_ERRORS else 422, f"{param or 'body'}: {first['msg']}",
+                       param=param) from None
+    for token, bias in (body.logit_bias or {}).items():
+        check(token.isdigit(), "logit_bias", f"logit_bias keys are token ids, not {token!r}")
+        check(-100 <= bias <= 100, "logit_bias", f"logit_bias values must be between -100 and 100, not {bias}")
+    check(body.n <= max_n, "n", f"n must be at most {max_n}")
+    if isinstance(body, CompletionRequest):
+        check(body.max_tokens != 0 or body.echo, "max_tokens", "max_tokens must be at least 1 (0 only with "
+               "echo: true, which scores the prompt)")
+        best_of = body.best_of or body.n
+        check(best_of >= body.n, "best_of", f"best_of ({best_of}) must be at least n ({body.n})")
+        check(best_of <= max_n, "best_of", f"best_of must be at most {max_n}")
+        check(best_of == body.n or not body.stream, "best_of", "best_of cannot be streamed: leave stream unset")
+    check(all(body.stop) if isinstance(body.stop, list) else body.stop != "", "stop", "stop strings must not be empty")
+    return body
+
+
+def check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise APIError(400, message, param=param)
+
+
