@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import hypothesis
 import openai
 import pytest
 import torch
@@ -472,6 +473,49 @@ def test_malformed_json_unknown_routes_and_no_key(server):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.BadRequestError, match="context"):
         server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * 1100}])
+
+
+def test_the_openapi_schema_documents_every_route(server):
+    schema = json.loads(urllib.request.urlopen(f"{server.url}/openapi.json", timeout=10).read())
+    for path, body in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):
+        operation = schema["paths"][path]["post"]
+        assert operation["requestBody"]["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{body}"}
+        assert {"200", "400", "401", "404", "422", "429", "503"} <= set(operation["responses"])
+        assert set(operation["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert {"prompt", "suffix", "echo", "response_format"} <= set(schema["components"]["schemas"]["CompletionRequest"]
+                                                                   ["properties"])
+    assert {"messages", "tools", "tool_choice"} <= set(schema["components"]["schemas"]["ChatRequest"]["properties"])
+    assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(urllib.request.Request(f"{server.url}/v1/completions", method="GET"), timeout=10)
+    assert info.value.code == 405 and info.value.headers["Allow"] == "POST"
+    assert set(json.loads(info.value.read())["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_the_server_answers_as_its_openapi_schema_says(server, mode):
+    """Schemathesis's requests to every route, valid (positive) and breaking the schema (negative): no server
+    error; every status, content type, header and body as documented; schema-breaking bodies refused. Not
+    checked: that every schema-valid request is accepted, as a prompt outside this model's vocabulary or longer
+    than its context, or ``n`` over the server's ``--max-n``, is refused by limits of the server's own (400)."""
+    import schemathesis
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+    schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if mode == "negative" and operation.method.upper() != "POST":
+            continue  # the GET routes take nothing that could break a schema
+
+        @hypothesis.given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+        @hypothesis.settings(max_examples=20, deadline=None, suppress_health_check=list(hypothesis.HealthCheck),
+                             derandomize=True, database=None)
+        def answers(case):
+            case.call_and_validate(headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                                   excluded_checks=[positive_data_acceptance])
+
+        answers()
 
 
 # -- faults and load ------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ Example:
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
@@ -44,7 +46,8 @@ class Body(BaseModel):
     stream_options: dict[str, bool] | None = None
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None  # token id (a string of digits) -> -100 to 100
+    logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]+$")],
+                     Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> added to its logit
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
 
@@ -77,22 +80,22 @@ class ChatRequest(Body):
     parallel_tool_calls: bool = True
 
 
-RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short"}
+#: pydantic's errors of a value out of its range (400); other errors are of a wrong type (422)
+RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short",
+                "string_pattern_mismatch"}
 
 
 def parse_body(schema: type[Body], raw: bytes, max_n: int) -> Body:
+    """The request body ``raw`` as ``schema``, checked; an :class:`APIError` naming the first wrong field."""
     try:
         body = schema.model_validate_json(raw)
     except ValidationError as error:
         first = error.errors()[0]
         if first["type"] == "json_invalid":
             raise APIError(400, f"the body is not valid JSON: {first['msg']}") from None
-        param = ".".join(map(str, first["loc"])) or None
-        raise APIError(400 if first["type"] in RANGE_ERRORS else 422, f"{param or 'body'}: {first['msg']}",
-                       param=param) from None
-    for token, bias in (body.logit_bias or {}).items():
-        check(token.isdigit(), "logit_bias", f"logit_bias keys are token ids, not {token!r}")
-        check(-100 <= bias <= 100, "logit_bias", f"logit_bias values must be between -100 and 100, not {bias}")
+        where = ".".join(map(str, first["loc"]))
+        raise APIError(400 if first["type"] in RANGE_ERRORS else 422, f"{where or 'body'}: {first['msg']}",
+                       param=str(first["loc"][0]) if first["loc"] else None) from None
     check(body.n <= max_n, "n", f"n must be at most {max_n}")
     if isinstance(body, CompletionRequest):
         check(body.max_tokens != 0 or body.echo, "max_tokens", "max_tokens must be at least 1 (0 only with "
@@ -110,3 +113,46 @@ def check(ok: bool, param: str, message: str) -> None:
         raise APIError(400, message, param=param)
 
 
+
+
+# -- OpenAPI: what /openapi.json says of each route ----------------------------------------------------
+
+ERROR_BODY = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "param", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_STATUS = {400: "A value out of range, or a request this server cannot serve", 401: "No API key, or a wrong one",
+           404: "An unknown model or route", 405: "A method the route does not take", 422: "A field of the wrong type",
+           429: "The queue is full: retry after Retry-After seconds", 500: "Generation failed",
+           503: "The server is draining or its engine stopped"}
+
+
+def errors(*statuses: int) -> dict:
+    """OpenAPI ``responses`` of the error ``statuses``, each OpenAI's error body (429 with its Retry-After)."""
+    out = {}
+    for status in statuses:
+        out[status] = {"description": _STATUS[status], "content": {"application/json": {"schema": ERROR_BODY}}}
+        if status == 429:
+            out[status]["headers"] = {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}}
+    return out
+
+
+def post_operation(body: type[Body]) -> tuple[dict, dict]:
+    """(``openapi_extra``, ``responses``) of a POST route taking ``body``: its request body by reference (the
+    models' schemas go under ``components``, :func:`components`) and every answer it gives."""
+    extra = {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}}
+    ok = {200: {"description": "The completion, or with stream: true its server-sent events",
+                "content": {"application/json": {"schema": {"type": "object"}},
+                            "text/event-stream": {"schema": {"type": "string"}}}}}
+    return extra, {**ok, **errors(400, 401, 404, 422, 429, 500, 503)}
+
+
+def components(*bodies: type[Body]) -> dict:
+    """The OpenAPI schemas of ``bodies`` and of the models they refer to, by name."""
+    out = {}
+    for body in bodies:
+        schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
+        out.update(schema.pop("$defs", {}))
+        out[body.__name__] = schema
+    return out

@@ -40,7 +40,8 @@ from kvgen.serving.choices import ChoiceText, best_choices, openai_logprobs, rea
 from kvgen.serving.engine import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, QueueFull
 from kvgen.serving.grammar import GrammarError, response_grammar
 from kvgen.serving.metrics import Metrics
-from kvgen.serving.schemas import APIError, Body, ChatRequest, CompletionRequest, check, parse_body
+from kvgen.serving.schemas import (APIError, Body, ChatRequest, CompletionRequest, check, components, errors,
+                                   parse_body, post_operation)
 from kvgen.serving.streaming import Dispatcher, Job, sse
 from kvgen.serving.tools import ToolError, ToolPlan, template_messages
 from kvgen.tokenizer import fill_in_the_middle_tokens
@@ -272,9 +273,9 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
     app.state.service = service
 
     async def error_body(request: Request, error: Exception) -> JSONResponse:  # every error in OpenAI's format
-        if isinstance(error, HTTPException):
+        if isinstance(error, HTTPException):  # an unknown route (404), a method it does not take (405, with Allow)
             code = "not_found" if error.status_code == 404 else None
-            error = APIError(error.status_code, str(error.detail), code=code)
+            error = APIError(error.status_code, str(error.detail), code=code, headers=error.headers)
         elif not isinstance(error, APIError):
             error = APIError(500, f"internal error: {error!r}")
         return error.response()
@@ -299,7 +300,19 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
                                 f"{service.model_name!r}", param="model", code="model_not_found")
         return body
 
-    @app.post("/v1/completions")
+    def openapi() -> dict:  # FastAPI's, with the request bodies' schemas (the routes parse their bodies themselves)
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(
+                components(CompletionRequest, ChatRequest))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    completion_extra, completion_responses = post_operation(CompletionRequest)
+    chat_extra, chat_responses = post_operation(ChatRequest)
+
+    @app.post("/v1/completions", openapi_extra=completion_extra, responses=completion_responses)
     async def completions(request: Request):
         body = await parse(request, CompletionRequest)
         prompt = body.prompt
@@ -319,7 +332,7 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
         return await service.respond(request, body, prompts, 16 if body.max_tokens is None else body.max_tokens,
                                      body.logprobs, echo)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=chat_extra, responses=chat_responses)
     async def chat_completions(request: Request):
         body = await parse(request, ChatRequest)
         check(body.top_logprobs is None or body.logprobs, "top_logprobs", "top_logprobs needs logprobs: true")
@@ -341,18 +354,20 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
         return await service.respond(request, body, [ids], body.max_completion_tokens or body.max_tokens,
                                      (body.top_logprobs or 0) if body.logprobs else None, tools=tools)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=errors(401))
     async def models(request: Request):
         authorize(request)
         return {"object": "list", "data": [{"id": service.model_name, "object": "model", "created": service.created,
                                             "owned_by": "kvgen", "max_model_len": service.limit()}]}
 
-    @app.get("/health")
+    @app.get("/health", responses=errors(503))
     async def health():
         service.check_ready()
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text format", "content": {"text/plain": {
+                 "schema": {"type": "string"}}}}})
     async def metrics():
         text = service.metrics.render(service.manager.stats())
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
