@@ -187,12 +187,16 @@ def test_n_siblings_share_the_prompt_blocks(model):
 
 
 def penalized_alone(model, prompt: list[int], new: int, frequency: float, presence: float,
-                    bias: dict[int, float]) -> list[int]:
-    """Greedy tokens under OpenAI's penalties and bias, written out here (one full forward a token): each
-    logit minus frequency x its count in the generated tokens, minus presence if it occurs there, plus its bias."""
+                    bias: dict[int, float], repetition: float = 1.0) -> list[int]:
+    """Greedy tokens under vLLM's repetition penalty, then OpenAI's penalties and bias, written out here (one full
+    forward a token): a logit of a token of the prompt or the reply divided by the repetition penalty where
+    positive, multiplied where negative; each logit minus frequency x its count in the generated tokens, minus
+    presence if it occurs there, plus its bias."""
     tokens: list[int] = []
     for _ in range(new):
         logits = model(torch.tensor([prompt + tokens])).logits[0, -1]
+        for token in set(prompt + tokens):
+            logits[token] = logits[token] / repetition if logits[token] > 0 else logits[token] * repetition
         for token in set(tokens):
             logits[token] -= frequency * tokens.count(token) + presence
         for token, value in bias.items():
@@ -206,7 +210,7 @@ def test_penalties_and_logit_bias_change_greedy_choices_as_openai_defines_them(m
     plain = model.generate_batch(prompts, max_new_tokens=12, continuous_batching_config=cb())
     banned = plain["req_0"].generated_tokens[0]
     cases = [dict(frequency_penalty=1.5), dict(presence_penalty=2.0), dict(frequency_penalty=-0.5, presence_penalty=1.0),
-             dict(logit_bias={banned: -100.0, 7: 3.0})]
+             dict(logit_bias={banned: -100.0, 7: 3.0}), dict(repetition_penalty=1.8, presence_penalty=0.5)]
     with model.init_continuous_batching(continuous_batching_config=cb(num_blocks=100)) as manager:
         for case in cases:  # beside requests without penalties: each sequence has its own
             ids = [manager.add_request(p, max_new_tokens=12, **case) for p in prompts]
@@ -215,7 +219,8 @@ def test_penalties_and_logit_bias_change_greedy_choices_as_openai_defines_them(m
             for prompt, rid, other in zip(prompts, ids, others):
                 got = manager.get_result(rid, timeout=60).generated_tokens
                 expected = penalized_alone(model, prompt, 12, case.get("frequency_penalty", 0.0),
-                                           case.get("presence_penalty", 0.0), case.get("logit_bias", {}))
+                                           case.get("presence_penalty", 0.0), case.get("logit_bias", {}),
+                                           case.get("repetition_penalty", 1.0))
                 assert got == expected, case
                 assert manager.get_result(other, timeout=60).generated_tokens == alone(model, prompt, 12)
                 changed += expected != alone(model, prompt, 12)
@@ -224,6 +229,15 @@ def test_penalties_and_logit_bias_change_greedy_choices_as_openai_defines_them(m
         forced = manager.get_result(manager.add_request(prompts[0], max_new_tokens=5, logit_bias={42: 100.0}),
                                     timeout=60)
     assert forced.generated_tokens == [42] * 5
+    with model.init_continuous_batching(continuous_batching_config=cb()) as manager:  # min_p 1: the likeliest only
+        only_best = manager.get_result(manager.add_request(prompts[1], max_new_tokens=8, do_sample=True, seed=4,
+                                                           temperature=1.5, min_p=1.0), timeout=60)
+        top_1 = manager.get_result(manager.add_request(prompts[2], max_new_tokens=8, do_sample=True, seed=4,
+                                                       temperature=1.5, top_k=1), timeout=60)
+    assert only_best.generated_tokens == alone(model, prompts[1], 8)
+    assert top_1.generated_tokens == alone(model, prompts[2], 8)
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        manager.add_request([1], repetition_penalty=0.0)
     with pytest.raises(ValueError, match="presence_penalty must be between -2 and 2"):
         manager.add_request([1], presence_penalty=2.5)
     with pytest.raises(ValueError, match="outside the vocabulary"):

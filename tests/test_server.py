@@ -475,6 +475,31 @@ def test_malformed_json_unknown_routes_and_no_key(server):
         server.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x " * 1100}])
 
 
+def test_tokenize_detokenize_and_refused_fields(server, reference):
+    """vLLM's /tokenize (a prompt, or messages through the chat template) and /detokenize; OpenAI's fields that
+    would change the answer and that kvgen does not serve are a 400 naming them, never ignored."""
+    prompt = "The river ran under the old"
+    status, body = raw(server, "/tokenize", json.dumps({"model": "tiny", "prompt": prompt}).encode())
+    ids = reference.tokenizer(prompt)["input_ids"]
+    assert status == 200 and body == {"count": len(ids), "max_model_len": CONTEXT, "tokens": ids}
+    chat = [{"role": "user", "content": "Hi"}]
+    status, body = raw(server, "/tokenize", json.dumps({"messages": chat}).encode())
+    assert body["tokens"] == reference.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    status, body = raw(server, "/detokenize", json.dumps({"tokens": ids}).encode())
+    assert status == 200 and body == {"prompt": prompt}
+    status, body = raw(server, "/detokenize", json.dumps({"tokens": [10 ** 8]}).encode())
+    assert status == 400 and body["error"]["param"] == "tokens"
+    client = server.client()
+    for field, value in [("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "x"}),
+                         ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"})]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, extra_body={field: value})
+        assert info.value.body["param"] == field
+    top_1 = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.5, seed=3,
+                                      extra_body={"top_k": 1})
+    assert top_1.choices[0].text == reference(prompt, 6)  # vLLM's top_k reaches the sampler
+
+
 def test_the_openapi_schema_documents_every_route(server):
     schema = json.loads(urllib.request.urlopen(f"{server.url}/openapi.json", timeout=10).read())
     for path, body in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):

@@ -190,11 +190,13 @@ class ContinuousBatchingManager:
                     top_p: float | None = None, seed: int | None = None, stop_strings: str | list[str] | None = None,
                     num_return_sequences: int | None = None, top_logprobs: int = 0, frequency_penalty: float = 0.0,
                     presence_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
-                    prompt_logprobs: int | None = None, grammar: str | None = None) -> str:
+                    prompt_logprobs: int | None = None, grammar: str | None = None,
+                    repetition_penalty: float | None = None, min_p: float | None = None) -> str:
         """Queue a request; returns its id. Settings left ``None`` come from the manager's generation config.
 
         ``frequency_penalty``, ``presence_penalty`` (-2 to 2) and ``logit_bias`` (token id -> -100 to 100) act as
-        OpenAI's (:func:`kvgen.serving.runner.adjusted`), on greedy and sampled choices alike. ``prompt_logprobs=k``
+        OpenAI's, ``repetition_penalty`` as vLLM's (:func:`kvgen.serving.runner.adjusted`), on greedy and sampled
+        choices alike; ``min_p`` as vLLM's. ``prompt_logprobs=k``
         (0-20) scores the prompt too: each prompt token's log-probability given the tokens before it (None for the
         first) and its ``k`` likeliest alternatives, in the outputs' ``prompt_logprobs`` and ``prompt_top_logprobs``
         (its blocks are computed, not taken from the prefix cache). ``grammar`` (llguidance's, e.g. from
@@ -216,7 +218,8 @@ class ContinuousBatchingManager:
             num_return_sequences=num_return_sequences or g.num_return_sequences or 1, top_logprobs=top_logprobs,
             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
             logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()}, prompt_logprobs=prompt_logprobs,
-            grammar=grammar)
+            grammar=grammar, repetition_penalty=(g.repetition_penalty or 1.0) if repetition_penalty is None
+            else repetition_penalty, min_p=(g.min_p or 0.0) if min_p is None else min_p)
         prompt = self._check_request(input_ids, params)
         matcher = self._matcher(grammar)
         with self._lock:
@@ -343,6 +346,10 @@ class ContinuousBatchingManager:
                 raise ValueError(f"logit_bias names token {token}, outside the vocabulary [0, {vocab})")
             if not -100 <= bias <= 100:
                 raise ValueError(f"logit_bias values must be between -100 and 100, got {bias} for token {token}")
+        if not params.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+        if not 0 <= params.min_p <= 1 or params.top_k < 0:
+            raise ValueError(f"min_p must be within [0, 1] and top_k >= 0, got {params.min_p} and {params.top_k}")
         if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= 20:
             raise ValueError(f"prompt_logprobs must be None or 0 to 20, got {params.prompt_logprobs}")
         if params.do_sample and params.temperature <= 0:

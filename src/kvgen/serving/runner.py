@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.cache.paged import PagedAttentionCache
-from kvgen.generation.logits import temperature, top_k, top_p
+from kvgen.generation.logits import min_p, temperature, top_k, top_p
 from kvgen.models.decode_blocks import eager_blocks
 from kvgen.serving.grammar import Grammars, Masks
 from kvgen.serving.scheduler import SamplingParams, Sequence
@@ -91,7 +91,7 @@ def choose(seq: Sequence, raw: torch.Tensor, allowed: torch.Tensor | None = None
     sampled; with its log-probability under the model (the raw logits', as vLLM reports them) and the
     ``top_logprobs`` most likely alternatives."""
     params: SamplingParams = seq.params
-    scores = adjusted(params, seq.generated, raw)[None]  # (1, V)
+    scores = adjusted(params, seq.prompt, seq.generated, raw)[None]  # (1, V)
     if allowed is not None:
         if not allowed.any() and params.eos_token_ids:
             allowed = torch.zeros_like(allowed)
@@ -122,17 +122,24 @@ def logprob_of(raw: torch.Tensor, token: int, top: int) -> tuple[float, dict[int
     return float(logprobs[token]), best
 
 
-def adjusted(params: SamplingParams, generated: list[int], raw: torch.Tensor) -> torch.Tensor:
-    """The logits (V,) with OpenAI's penalties and bias: ``raw - frequency_penalty * count - presence_penalty *
-    (count > 0) + logit_bias``, ``count`` each token's occurrences in the generated tokens (not the prompt's).
+def adjusted(params: SamplingParams, prompt: list[int], generated: list[int], raw: torch.Tensor) -> torch.Tensor:
+    """The logits (V,) with the penalties and bias: first vLLM's (and transformers') ``repetition_penalty`` of
+    every token in the prompt or the reply (positive logits divided by it, negative ones multiplied), then
+    OpenAI's ``- frequency_penalty * count - presence_penalty * (count > 0) + logit_bias``, ``count`` each token's
+    occurrences in the reply (not the prompt).
 
     Example:
-        >>> adjusted(SamplingParams(presence_penalty=1.0, logit_bias={0: -5.0}), [2, 2], torch.zeros(4)).tolist()
+        >>> adjusted(SamplingParams(presence_penalty=1.0, logit_bias={0: -5.0}), [1], [2, 2], torch.zeros(4)).tolist()
         [-5.0, 0.0, -1.0, 0.0]
     """
-    if not (params.frequency_penalty or params.presence_penalty or params.logit_bias):
+    if not (params.frequency_penalty or params.presence_penalty or params.logit_bias or
+            params.repetition_penalty != 1.0):
         return raw
     scores = raw.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), device=raw.device)
+        values = scores[seen]
+        scores[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if generated and (params.frequency_penalty or params.presence_penalty):
         counts = torch.bincount(torch.tensor(generated, device=raw.device), minlength=raw.numel())  # (V,)
         scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
@@ -150,3 +157,5 @@ def _warpers(params: SamplingParams):
         yield top_k(params.top_k)
     if params.top_p < 1.0:
         yield top_p(params.top_p)
+    if params.min_p > 0.0:
+        yield min_p(params.min_p)

@@ -49,6 +49,10 @@ class Body(BaseModel):
     logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]+$")],
                      Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> added to its logit
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    # vLLM's extensions
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: all tokens
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
 
 
@@ -78,6 +82,32 @@ class ChatRequest(Body):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool = True
+    # OpenAI's fields that would change the answer and that kvgen does not serve: refused, never ignored
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a prompt, or messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 #: pydantic's errors of a value out of its range (400); other errors are of a wrong type (422)
@@ -85,7 +115,7 @@ RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_eq
                 "string_pattern_mismatch"}
 
 
-def parse_body(schema: type[Body], raw: bytes, max_n: int) -> Body:
+def parse_body(schema: type[BaseModel], raw: bytes, max_n: int) -> BaseModel:
     """The request body ``raw`` as ``schema``, checked; an :class:`APIError` naming the first wrong field."""
     try:
         body = schema.model_validate_json(raw)
@@ -96,7 +126,15 @@ def parse_body(schema: type[Body], raw: bytes, max_n: int) -> Body:
         where = ".".join(map(str, first["loc"]))
         raise APIError(400 if first["type"] in RANGE_ERRORS else 422, f"{where or 'body'}: {first['msg']}",
                        param=str(first["loc"][0]) if first["loc"] else None) from None
+    if not isinstance(body, Body):
+        return body
     check(body.n <= max_n, "n", f"n must be at most {max_n}")
+    if isinstance(body, ChatRequest):
+        for name, instead in (("functions", "tools"), ("function_call", "tool_choice"), ("audio", None),
+                              ("prediction", None), ("web_search_options", None)):
+            check(getattr(body, name) is None, name, f"{name} is not supported" + (f"; use {instead}" if instead
+                                                                                     else "; leave it unset"))
+        check(body.modalities in (None, ["text"]), "modalities", 'only the "text" modality is supported')
     if isinstance(body, CompletionRequest):
         check(body.max_tokens != 0 or body.echo, "max_tokens", "max_tokens must be at least 1 (0 only with "
                "echo: true, which scores the prompt)")
@@ -137,18 +175,20 @@ def errors(*statuses: int) -> dict:
     return out
 
 
-def post_operation(body: type[Body]) -> tuple[dict, dict]:
+def post_operation(body: type[BaseModel], streams: bool = True) -> tuple[dict, dict]:
     """(``openapi_extra``, ``responses``) of a POST route taking ``body``: its request body by reference (the
     models' schemas go under ``components``, :func:`components`) and every answer it gives."""
     extra = {"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": f"#/components/schemas/{body.__name__}"}}}}}
-    ok = {200: {"description": "The completion, or with stream: true its server-sent events",
-                "content": {"application/json": {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {"type": "string"}}}}}
-    return extra, {**ok, **errors(400, 401, 404, 422, 429, 500, 503)}
+    content = {"application/json": {"schema": {"type": "object"}}}
+    if streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    ok = {200: {"description": "The answer" + (", or with stream: true its server-sent events" if streams else ""),
+                "content": content}}
+    return extra, {**ok, **errors(400, 401, 404, 422, *((429, 500, 503) if streams else ()))}
 
 
-def components(*bodies: type[Body]) -> dict:
+def components(*bodies: type[BaseModel]) -> dict:
     """The OpenAPI schemas of ``bodies`` and of the models they refer to, by name."""
     out = {}
     for body in bodies:

@@ -1,7 +1,8 @@
 """``kvgen serve``: an OpenAI-compatible HTTP server on the continuous-batching engine.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or server-sent events
-with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus text).
+with ``stream: true``), ``POST /tokenize`` and ``/detokenize`` (vLLM's), ``GET /v1/models``, ``GET /health`` and
+``GET /metrics`` (Prometheus text).
 ``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` act as OpenAI's (on the generated tokens;
 the logprobs stay the model's). Completions also take ``echo`` (the prompt before the answer; with ``logprobs``,
 its tokens' too; ``max_tokens: 0`` scores the prompt alone), ``best_of`` (the ``n`` of the highest
@@ -34,14 +35,15 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from kvgen.serving.choices import ChoiceText, best_choices, openai_logprobs, read_calls
 from kvgen.serving.engine import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, QueueFull
 from kvgen.serving.grammar import GrammarError, response_grammar
 from kvgen.serving.metrics import Metrics
-from kvgen.serving.schemas import (APIError, Body, ChatRequest, CompletionRequest, check, components, errors,
-                                   parse_body, post_operation)
+from kvgen.serving.schemas import (APIError, Body, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                   check, components, errors, parse_body, post_operation)
 from kvgen.serving.streaming import Dispatcher, Job, sse
 from kvgen.serving.tools import ToolError, ToolPlan, template_messages
 from kvgen.tokenizer import fill_in_the_middle_tokens
@@ -82,6 +84,8 @@ class Service:
         self.check_ready()
         t = body.temperature  # 0: greedy; unset (with top_p unset): the model's generation config
         sampling = dict(do_sample=None if t is None and body.top_p is None else t != 0, temperature=t or None,
+                        top_k=None if body.top_k is None else max(0, body.top_k), min_p=body.min_p,
+                        repetition_penalty=body.repetition_penalty,
                         top_p=body.top_p, seed=body.seed, stop_strings=stops or None, num_return_sequences=n,
                         top_logprobs=top_logprobs, eos_token_id=[] if body.ignore_eos else None,
                         prompt_logprobs=prompt_logprobs)
@@ -292,10 +296,10 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
         if not hmac.compare_digest(key.strip().encode(), service.api_key.encode()):
             raise APIError(401, "incorrect API key", code="invalid_api_key")
 
-    async def parse(request: Request, schema: type[Body]) -> Body:
+    async def parse(request: Request, schema: type[BaseModel]) -> BaseModel:
         authorize(request)
         body = parse_body(schema, await request.body(), service.max_n)
-        if body.model != service.model_name:
+        if body.model is not None and body.model != service.model_name:  # (/tokenize's model may be unset)
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                                 f"{service.model_name!r}", param="model", code="model_not_found")
         return body
@@ -304,7 +308,7 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
         if app.openapi_schema is None:
             schema = FastAPI.openapi(app)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(
-                components(CompletionRequest, ChatRequest))
+                components(CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest))
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -353,6 +357,32 @@ def create_app(model, tokenizer, model_name: str, **settings) -> FastAPI:
             raise APIError(400, f"the chat template cannot render these messages: {error}", param="messages") from None
         return await service.respond(request, body, [ids], body.max_completion_tokens or body.max_tokens,
                                      (body.top_logprobs or 0) if body.logprobs else None, tools=tools)
+
+    tokenize_extra, tokenize_responses = post_operation(TokenizeRequest, streams=False)
+    detokenize_extra, detokenize_responses = post_operation(DetokenizeRequest, streams=False)
+
+    @app.post("/tokenize", openapi_extra=tokenize_extra, responses=tokenize_responses)
+    async def tokenize(request: Request):
+        body = await parse(request, TokenizeRequest)
+        check((body.prompt is None) != (body.messages is None), "prompt", "give either prompt or messages")
+        if body.prompt is not None:
+            ids = service.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            try:
+                ids = service.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
+                                                            add_generation_prompt=body.add_generation_prompt)
+            except Exception as error:
+                raise APIError(400, f"the chat template cannot render these messages: {error}",
+                               param="messages") from None
+        return {"count": len(ids), "max_model_len": service.limit(), "tokens": ids}
+
+    @app.post("/detokenize", openapi_extra=detokenize_extra, responses=detokenize_responses)
+    async def detokenize(request: Request):
+        body = await parse(request, DetokenizeRequest)
+        vocab = service.manager.model.config.get("vocab_size")
+        check(vocab is None or all(t < vocab for t in body.tokens), "tokens",
+              f"tokens must be ids of the vocabulary [0, {vocab})")
+        return {"prompt": service.tokenizer.decode(body.tokens)}
 
     @app.get("/v1/models", responses=errors(401))
     async def models(request: Request):
