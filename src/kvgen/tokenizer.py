@@ -3,9 +3,8 @@
 A tokenizer loads from a folder holding ``tokenizer.json`` (plus the optional
 ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja`` or
 ``chat_template.json``), from a hub id, or from the vocabulary embedded in a GGUF file
-(``tokenizer.ggml.model`` "gpt2" byte-level BPE or "llama" SentencePiece-style BPE, Gemma's included),
-built the way transformers builds it so that the ids match. Chat templates render in a
-sandboxed jinja2 environment.
+(:mod:`kvgen.loading.gguf_tokenizer`, built once per file into kvgen's cache). Chat templates render in a
+sandbox (:mod:`kvgen.chat_template`).
 """
 
 from __future__ import annotations
@@ -13,17 +12,14 @@ from __future__ import annotations
 import json
 import os
 import sys
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
 import torch
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, processors
 
+from kvgen.chat_template import compile_chat_template
+from kvgen.loading.gguf_tokenizer import read_gguf_vocabulary
 from kvgen.loading.hub import resolve_model_dir
 
 VERY_LARGE_INTEGER = int(1e30)  # transformers' model_max_length for "no limit"
@@ -31,31 +27,6 @@ _LARGE_INTEGER = int(1e20)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _IGNORED_LOAD_KWARGS = {"use_fast", "trust_remote_code", "local_files_only", "cache_dir", "token"}
 
-# Pre-tokenizer splits by `tokenizer.ggml.pre`, as transformers' GGUF converter uses them;
-# any other value (e.g. "smollm") keeps the plain GPT-2 byte-level split.
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GGUF_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-                     "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-}
-# Architectures whose SentencePiece vocabularies transformers rebuilds differently (not supported here).
-_UNSUPPORTED_SENTENCEPIECE_ARCHS = {"phi3"}
-_GEMMA_ARCHS = {"gemma", "gemma2", "gemma3"}
 
 
 class BatchEncoding(dict):
@@ -349,7 +320,7 @@ class PreTrainedTokenizerFast:
             >>> messages = [{"role": "user", "content": "Hi!"}]
             >>> ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
         """
-        template = _compile_chat_template(self._select_chat_template(chat_template, tools))
+        template = compile_chat_template(self._select_chat_template(chat_template, tools))
         if not conversation:
             raise ValueError("cannot apply a chat template to an empty conversation; pass at least one message")
         batched = isinstance(conversation[0], (list, tuple))
@@ -412,32 +383,6 @@ def fill_in_the_middle_tokens(tokenizer: PreTrainedTokenizerFast) -> tuple[int, 
     return None
 
 
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """jinja's ``namespace()`` without underscore attributes, so templates cannot reach CPython internals."""
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attribute {name!r}")
-        super().__setitem__(name, value)
-
-
-@lru_cache(maxsize=16)
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in a sandbox with transformers' helpers (``tojson``, ``raise_exception``, ...)."""
-
-    def raise_exception(message: str):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, namespace=_TemplateNamespace,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    return env.from_string(source)
-
-
 # -- loading ----------------------------------------------------------------------------------------
 def _token_text(value: Any) -> str | None:
     """A special token as written in tokenizer_config.json: a string or an AddedToken dict."""
@@ -467,109 +412,10 @@ def _read_folder_config(folder: Path) -> dict[str, Any]:
     return kwargs
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """Merges implied by a SentencePiece vocabulary, best score first (transformers' generate_merges)."""
-    merges = []
-    for piece, score in scores.items():
-        local = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
-                 if piece[:i] in vocab and piece[i:] in vocab]
-        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in merges]
-
-
-def _gguf_backend(kind: str, architecture: str, pre: str | None, tokens: list[str], merges: list[str] | None,
-                  scores: list[float] | None, path: Path) -> Tokenizer:
-    if kind == "gpt2":
-        spelling = _bytes_to_unicode()
-        alphabet = set(spelling.values())
-        vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
-                 for i, t in enumerate(tokens)}
-        pairs = [tuple(m.split(" ", 1)) for m in merges or []]
-        backend = Tokenizer(models.BPE(vocab, pairs, dropout=None, continuing_subword_prefix="",
-                                       end_of_word_suffix="", fuse_unk=False))
-        split = _GGUF_SPLITS.get(pre)
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else (
-            pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]))
-        backend.decoder = decoders.ByteLevel()
-        return backend
-    if kind == "llama" and architecture in _GEMMA_ARCHS:
-        return _gemma_backend(tokens)
-    if kind == "llama" and architecture not in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
-        vocab = {t: i for i, t in enumerate(tokens)}
-        if merges is not None:
-            pairs = [tuple(m.split(" ", 1)) for m in merges]
-        elif scores is not None:
-            pairs = _merges_from_scores(vocab, dict(zip(tokens, scores)))
-        else:
-            raise ValueError(f"{path}: the SentencePiece vocabulary has neither merges nor scores to rebuild them")
-        backend = Tokenizer(models.BPE(vocab, pairs, fuse_unk=True, byte_fallback=True, dropout=None))
-        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                             decoders.Strip(content=" ", left=1, right=0)])
-        return backend
-    raise ValueError(f"{path}: cannot build a tokenizer for tokenizer.ggml.model={kind!r} (architecture "
-                     f"{architecture!r}); supported are 'gpt2' (byte-level BPE) and 'llama' (SentencePiece BPE, "
-                     f"not {sorted(_UNSUPPORTED_SENTENCEPIECE_ARCHS)}). Use a folder with tokenizer.json instead.")
-
-
-def _gemma_backend(tokens: list[str]) -> Tokenizer:
-    """Gemma's SentencePiece BPE as transformers builds it from a GGUF (``GemmaTokenizer``).
-
-    Tokens of two or more spaces are stored as real spaces and are respelled with "▁"; the
-    file has no merges, and Gemma's scores do not follow its merge order, so merges are
-    rebuilt best-first by the tokens' order in the file. No prefix space; spaces become "▁".
-    """
-    tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = _merges_from_scores(vocab, {t: -i for i, t in enumerate(tokens)})
-    backend = Tokenizer(models.BPE(vocab, pairs, unk_token="<unk>", fuse_unk=True, byte_fallback=True, dropout=None))
-    backend.normalizer = normalizers.Replace(" ", "▁")
-    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    return backend
-
-
 def _load_gguf(path: Path, **overrides: Any) -> PreTrainedTokenizerFast:
     """Build the tokenizer embedded in a GGUF file's metadata (no tensor data is read)."""
-    from kvgen.loading.gguf import _Reader  # a GGUFReader that parses a 262k-token vocabulary ~10x faster
-
-    fields = _Reader(path).fields
-
-    def field(key: str, default: Any = None) -> Any:
-        return fields[key].contents() if key in fields else default
-
-    tokens = field("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise ValueError(f"{path} has no embedded tokenizer (no tokenizer.ggml.tokens); load the tokenizer "
-                         "from a folder with tokenizer.json instead")
-    kind, types = field("tokenizer.ggml.model"), field("tokenizer.ggml.token_type", [])
-    backend = _gguf_backend(kind, field("general.architecture"), field("tokenizer.ggml.pre"), tokens,
-                            field("tokenizer.ggml.merges"), field("tokenizer.ggml.scores"), path)
-    # Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added tokens.
-    # In a byte-level vocabulary a "control" token outside the byte alphabet is a mislabel and is skipped.
-    alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
-    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-                                if ty == 3 and (alphabet is None or set(t) <= alphabet)])
-    vocab = backend.get_vocab()
-    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
-                        if ty == 4 and t in vocab])
-    ids = {name: field(f"tokenizer.ggml.{key}") for name, key in (
-        ("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-        ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id"))}
-    kwargs: dict[str, Any] = {name: None if i is None else tokens[i] for name, i in ids.items()}
-    kwargs.update(chat_template=field("tokenizer.chat_template"), name_or_path=str(path),
-                  add_bos_token=field("tokenizer.ggml.add_bos_token", True if kind == "llama" else None),
-                  add_eos_token=field("tokenizer.ggml.add_eos_token"))
-    return PreTrainedTokenizerFast(backend, **{**kwargs, **overrides})
+    backend, settings = read_gguf_vocabulary(path)
+    return PreTrainedTokenizerFast(backend, **{**settings, "name_or_path": str(path), **overrides})
 
 
 def _load_gguf_cached(path: Path, **overrides: Any) -> PreTrainedTokenizerFast:

@@ -24,6 +24,40 @@ import torch
 
 LegacyCache = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
+#: what modules that import this one add to every cache, by name (they register on import, which
+#: ``kvgen.cache`` does for all of them): ``fork`` and ``share_rows`` (fork.py), ``save`` (persist.py),
+#: ``enable_offloading`` (offload.py). This module imports none of them.
+_OPERATIONS: dict[str, Callable] = {}
+#: layer kinds of a config's ``layer_types`` other than attention -> the factory of their layers (ssm.py: Mamba)
+_LAYER_KINDS: dict[str, Callable] = {}
+
+
+def register_operation(name: str) -> Callable[[Callable], Callable]:
+    """Make the decorated function the cache operation ``name`` (see ``_OPERATIONS``)."""
+    def add(fn: Callable) -> Callable:
+        _OPERATIONS[name] = fn
+        return fn
+
+    return add
+
+
+def operation(name: str) -> Callable:
+    """The cache operation ``name``, registered by its module when ``kvgen.cache`` was imported."""
+    try:
+        return _OPERATIONS[name]
+    except KeyError:
+        raise RuntimeError(f"no cache operation {name!r}: import kvgen.cache (it registers every one)") from None
+
+
+def register_layer_kind(kinds: tuple[str, ...], factory: Callable) -> None:
+    """Build layers of the config ``layer_types`` in ``kinds`` with ``factory(config, batch, dtype, device)``."""
+    _LAYER_KINDS.update(dict.fromkeys(kinds, factory))
+
+
+def layer_kind(kind: str) -> Callable | None:
+    """The factory registered for layers of ``kind`` (None: an attention layer, the caller's own)."""
+    return _LAYER_KINDS.get(kind)
+
 
 class CacheLayer:
     """Storage of one attention layer. Subclasses choose a growth policy.
@@ -372,15 +406,11 @@ class Cache:
         keeps working too. Growing and preallocated layers can be forked (see
         :mod:`kvgen.cache.fork`); other kinds raise a clear error.
         """
-        from kvgen.cache.fork import fork_cache  # (fork.py imports this module)
-
-        return fork_cache(self, n)
+        return operation("fork")(self, n)
 
     def share_rows(self, repeats: int) -> None:
         """Like :meth:`batch_repeat_interleave`, but the repeated rows share storage where the layers allow."""
-        from kvgen.cache.fork import share_rows  # (fork.py imports this module)
-
-        share_rows(self, repeats)
+        operation("share_rows")(self, repeats)
 
     # -- files -------------------------------------------------------------------------------------
     def save(self, path, model=None) -> None:
@@ -393,9 +423,7 @@ class Cache:
             >>> cache.save("prompt.safetensors")                                  # doctest: +SKIP
             >>> cache = kvgen.load_cache("prompt.safetensors", model=model)       # doctest: +SKIP
         """
-        from kvgen.cache.persist import save_cache  # (persist.py imports this module)
-
-        save_cache(self, path, model=model)
+        operation("save")(self, path, model=model)
 
     # -- legacy views ------------------------------------------------------------------------------
     def to_legacy_cache(self) -> LegacyCache:

@@ -14,7 +14,8 @@ subclasses, the helper classes below, those added with :func:`register_persistab
 only their own methods, sets only plain attribute names, and builds tensor subclasses only
 from optimum-quanto. Anything else in a description raises :class:`DescriptionError`.
 
-A few helper classes hold more than data and have a policy (see :class:`_Policies`): scratch
+A few helper classes hold more than data and have a policy (see :class:`_Policies`, registered by their
+modules with :func:`register_policy`): scratch
 buffers, streams, events and the offload schedule are saved as fresh values, so a decoded
 offloaded cache starts with every layer offloaded; quantization backends are saved as their
 constructor arguments.
@@ -22,9 +23,7 @@ constructor arguments.
 
 from __future__ import annotations
 
-import importlib
 import math
-import pkgutil
 import types
 from typing import Any, Callable
 
@@ -74,33 +73,43 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def registry() -> dict[str, type]:
-    """Class name -> class, for every class a description may name."""
-    import kvgen.cache
-    from kvgen.cache.offload import Offloader, Placement, _OffloadingFactory
-    from kvgen.cache.quantized import QuantizedCacheConfig, Workspace
-    from kvgen.cache.quantizers import HQQBackend, KiviStore, LibraryStore, QuantoBackend
-
-    for module in pkgutil.iter_modules(kvgen.cache.__path__):  # fixed names (never read from a file): all classes
-        importlib.import_module(f"kvgen.cache.{module.name}")
+    """Class name -> class, for every class a description may name: every ``Cache`` and ``CacheLayer`` subclass
+    of kvgen's (``kvgen.cache`` imports every module that defines one) and the registered helper classes."""
     found = [c for base in (Cache, CacheLayer) for c in _subclasses(base) if c.__module__.startswith("kvgen.")]
-    helpers = [Offloader, Placement, _OffloadingFactory, QuantizedCacheConfig, Workspace, HQQBackend, KiviStore,
-               LibraryStore, QuantoBackend]
     out: dict[str, type] = {}
-    for cls in [*found, *helpers, *_EXTRA_CLASSES.values()]:
+    for cls in [*found, *_EXTRA_CLASSES.values()]:
         if out.setdefault(cls.__name__, cls) is not cls:
             raise RuntimeError(f"two persistable classes are named {cls.__name__!r}: {out[cls.__name__]} and {cls}")
     return out
 
 
 def _functions() -> dict[str, Callable]:
-    from kvgen.cache.dynamic import new_dynamic_layer
-
-    return {"new_dynamic_layer": new_dynamic_layer, **_EXTRA_FUNCTIONS}
+    return dict(_EXTRA_FUNCTIONS)
 
 
 def _tensor_classes() -> dict[str, type]:
     return {f"{c.__module__}.{c.__qualname__}": c for c in _subclasses(torch.Tensor)
             if c.__module__.startswith(_TENSOR_SUBCLASS_MODULES)}
+
+
+#: the policies of :class:`_Policies`, registered by the modules of the classes they are for
+_POLICY_TABLES: dict[str, dict[type, Any]] = {
+    "transient": {Cache: ("_model_ref", "model_fingerprint")},  # (recorded by persist.py on their own)
+    "reset": {}, "rebuilt": {}, "constructed": {}, "before_save": {}, "inner_device": {},
+}
+
+
+def register_policy(cls: type, **policies) -> None:
+    """What saving ``cls`` needs beyond its attributes (see :class:`_Policies` for each kind); its module calls
+    this on import, with :func:`register_persistable` for a helper class.
+
+    Example:
+        >>> register_policy(Workspace, reset={"_buffers": {}, "generation": 0})   # doctest: +SKIP
+    """
+    for kind, value in policies.items():
+        if kind not in _POLICY_TABLES:
+            raise TypeError(f"no policy {kind!r}: one of {sorted(_POLICY_TABLES)}")
+        _POLICY_TABLES[kind][cls] = value
 
 
 class _Policies:
@@ -111,24 +120,14 @@ class _Policies:
       schedule): a decoded offloaded cache has every layer on its offload device;
     * ``rebuilt``: attributes not saved, recomputed from the decoded object;
     * ``constructed``: objects saved as constructor arguments (they hold library objects);
-    * ``before_save``: called on each such object before encoding (offloaded copies in flight land).
+    * ``before_save``: called on each such object before encoding (offloaded copies in flight land);
+    * ``inner_device``: where :func:`place` puts an object's ``inner`` attribute (an offloaded layer's: its
+      offload device), from the object.
     """
 
     def __init__(self):
-        from kvgen.cache.offload import OFFLOADED, OffloadedLayer, Offloader, Placement
-        from kvgen.cache.quantized import QuantizedCache, Workspace, make_stores
-        from kvgen.cache.quantizers import HQQBackend, QuantoBackend
-
-        self.transient = {Cache: ("_model_ref", "model_fingerprint")}  # (recorded by persist.py on their own)
-        self.reset = {
-            Workspace: {"_buffers": {}, "generation": 0},
-            Placement: {"_streams": {}, "compute_device": None},  # bound again by the first keys
-            Offloader: {"active": None, "_on_compute": []},
-            OffloadedLayer: {"state": OFFLOADED, "_ready": None, "_evicted": None, "_rows": None},
-        }
-        self.rebuilt = {QuantizedCache: {"_stores": lambda cache: make_stores(cache.cache_config)}}
-        self.constructed = {QuantoBackend: lambda b: [b.qtype.bits, b.group], HQQBackend: lambda b: [b.nbits, b.group]}
-        self.before_save = {Offloader: Offloader.synchronize}
+        for kind, table in _POLICY_TABLES.items():
+            setattr(self, kind, dict(table))
 
     @staticmethod
     def lookup(table: dict, cls: type):
@@ -445,9 +444,7 @@ class _Decoder:
 
 def place(root, device: torch.device) -> None:
     """Move every tensor under ``root`` to ``device``; what an ``OffloadedLayer`` wraps to its offload device."""
-    from kvgen.cache.offload import OffloadedLayer
-
-    classes, seen = registry(), set()
+    classes, seen, inner = registry(), set(), _POLICY_TABLES["inner_device"]
 
     def move(v, target):
         if isinstance(v, torch.Tensor):
@@ -461,7 +458,8 @@ def place(root, device: torch.device) -> None:
                 v[k] = move(v[k], target)
         elif classes.get(type(v).__name__) is type(v) and id(v) not in seen:
             seen.add(id(v))
-            offload = v.offloader.placement.offload_device if isinstance(v, OffloadedLayer) else None
+            rule = _Policies.lookup(inner, type(v))
+            offload = rule(v) if rule is not None else None
             for attr, x in list(vars(v).items()):
                 vars(v)[attr] = move(x, offload if attr == "inner" and offload is not None else target)
         return v

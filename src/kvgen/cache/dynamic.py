@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, LegacyCache, check_next_positions, config_value, text_config
+from kvgen.cache.base import (Cache, CacheLayer, LegacyCache, check_next_positions, config_value, layer_kind,
+                              operation, text_config)
+from kvgen.cache.codec import register_persistable
 from kvgen.cache.registry import register_cache
 
 _ROUND = 128  # slots are allocated in multiples of this (by default)
@@ -188,6 +190,7 @@ class DynamicSlidingWindowLayer(DynamicLayer):
         return self.sliding_window
 
 
+@register_persistable
 def new_dynamic_layer(layer_idx: int) -> DynamicLayer:
     """Layer factory of a :class:`DynamicCache` built without a config (a named function, so it can be saved)."""
     return DynamicLayer()
@@ -218,18 +221,14 @@ class DynamicCache(Cache):
             config = text_config(config)
             layer_types = config_value(config, "layer_types") or []
             window = config_value(config, "sliding_window")
-            from kvgen.cache.ssm import SSM_LAYER_TYPES, ssm_layer  # (ssm.py imports this module)
-
             layers = [
-                ssm_layer(config) if kind in SSM_LAYER_TYPES
+                layer_kind(kind)(config) if layer_kind(kind)  # (Mamba layers: ssm.py)
                 else DynamicSlidingWindowLayer(window) if kind == "sliding_attention" and window else DynamicLayer()
                 for kind in layer_types
             ]
             super().__init__(layers=layers, layer_factory=None if layers else new_dynamic_layer)
         if offloading:
-            from kvgen.cache.offload import enable_offloading  # (offload.py imports this module)
-
-            enable_offloading(self, only_non_sliding=offload_only_non_sliding)
+            operation("enable_offloading")(self, only_non_sliding=offload_only_non_sliding)
 
     @classmethod
     def from_legacy_cache(cls, past_key_values: LegacyCache | None) -> "DynamicCache":

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer
+from kvgen.cache.base import Cache, CacheLayer, register_operation
 from kvgen.cache.codec import register_persistable
 from kvgen.cache.dynamic import DynamicLayer
 from kvgen.cache.static import StaticLayer
@@ -181,6 +181,7 @@ def _forked_layers(cache: Cache, rows_per_item: int) -> list[ForkedLayer]:
     return layers
 
 
+@register_operation("fork")
 def fork_cache(cache: Cache, n: int) -> list[Cache]:
     """``n`` caches that share ``cache``'s tokens; ``cache`` itself keeps working (it shares them too)."""
     if n < 1:
@@ -203,6 +204,7 @@ def can_share_rows(cache: Cache) -> bool:
                                       for layer in cache.layers)
 
 
+@register_operation("share_rows")
 def share_rows(cache: Cache, repeats: int) -> None:
     """``cache.batch_repeat_interleave(repeats)``, but the repeated rows share storage when the layers allow."""
     if repeats == 1:

@@ -35,7 +35,8 @@ from typing import Any, Callable
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer
+from kvgen.cache.base import Cache, CacheLayer, register_operation
+from kvgen.cache.codec import register_persistable, register_policy
 from kvgen.cache.dynamic import DynamicCache, LegacyCache
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import StaticCache
@@ -421,6 +422,7 @@ def _wrap(layer: CacheLayer, offloader: Offloader, only_non_sliding: bool) -> Ca
     return OffloadedLayer(layer, offloader)
 
 
+@register_operation("enable_offloading")
 def enable_offloading(cache: Cache, offload_device="cpu", *, only_non_sliding: bool = False,
                       compute_device=None, placement: Placement | None = None) -> Cache:
     """Offload the layers of ``cache`` (any kind) to ``offload_device``; returns ``cache``.
@@ -510,3 +512,12 @@ def _offloaded(config, batch_size, max_cache_len, device, dtype, cache_config):
 def _offloaded_static(config, batch_size, max_cache_len, device, dtype, cache_config):
     return OffloadedStaticCache(config=config, max_batch_size=batch_size, max_cache_len=max_cache_len, device=device,
                                 dtype=dtype)
+
+
+# what cache files keep of these (kvgen.cache.codec): a decoded offloaded cache has every layer on its offload device
+for _helper in (Offloader, Placement, _OffloadingFactory):
+    register_persistable(_helper)
+register_policy(Placement, reset={"_streams": {}, "compute_device": None})  # bound again by the first keys
+register_policy(Offloader, reset={"active": None, "_on_compute": []}, before_save=Offloader.synchronize)
+register_policy(OffloadedLayer, reset={"state": OFFLOADED, "_ready": None, "_evicted": None, "_rows": None},
+                inner_device=lambda layer: layer.offloader.placement.offload_device)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer
+from kvgen.cache.base import Cache, CacheLayer, register_operation
 from kvgen.cache.codec import DescriptionError, decode, encode, place
 from kvgen.cache.fingerprint import CacheModelMismatchError, last_model, mismatch_error, model_fingerprint
 
@@ -46,6 +46,7 @@ class CacheFileError(ValueError):
     """A file that cannot be loaded as a cache: not a kvgen cache file, another format version, damaged or edited."""
 
 
+@register_operation("save")
 def save_cache(cache: Cache, path: str | os.PathLike, model=None) -> None:
     """Write ``cache`` to ``path``, one safetensors file replaced atomically (format: this module's docstring).
 

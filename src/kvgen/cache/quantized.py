@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, check_next_positions, config_value, text_config
+from kvgen.cache.base import Cache, CacheLayer, check_next_positions, config_value, operation, text_config
+from kvgen.cache.codec import register_persistable, register_policy
 from kvgen.cache.dynamic import DynamicSlidingWindowLayer
 from kvgen.cache.quantizers import HQQBackend, KiviStore, LibraryStore, QuantoBackend, scale_dtype
 from kvgen.cache.registry import register_cache
@@ -513,9 +514,7 @@ class QuantizedCache(Cache):
                       else self._new_layer(i) for i, kind in enumerate(kinds)]
             super().__init__(layers=layers, layer_factory=None if layers else self._new_layer)
         if offloading:
-            from kvgen.cache.offload import enable_offloading  # (offload.py imports the cache modules)
-
-            enable_offloading(self, only_non_sliding=offload_only_non_sliding)
+            operation("enable_offloading")(self, only_non_sliding=offload_only_non_sliding)
 
     def _new_layer(self, layer_idx: int) -> QuantizedLayer:
         """A method (not a closure), so a deep copy's new layers share the copy's workspace."""
@@ -562,3 +561,10 @@ class HQQQuantizedCache(QuantizedCache):
 @register_cache("quantized")
 def _quantized(config, batch_size, max_cache_len, device, dtype, cache_config):
     return QuantizedCache(config=config, cache_config=cache_config)
+
+
+# what cache files keep of these (kvgen.cache.codec): the scratch afresh, the stores rebuilt from the config
+register_persistable(QuantizedCacheConfig)
+register_persistable(Workspace)
+register_policy(Workspace, reset={"_buffers": {}, "generation": 0})
+register_policy(QuantizedCache, rebuilt={"_stores": lambda cache: make_stores(cache.cache_config)})

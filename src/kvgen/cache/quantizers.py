@@ -21,6 +21,9 @@ from typing import Callable
 
 import torch
 
+from kvgen.cache.base import map_nested
+from kvgen.cache.codec import register_persistable, register_policy
+
 #: workspace request: (name, shape, dtype, device) -> a scratch tensor of that shape
 Scratch = Callable[[str, tuple, torch.dtype, torch.device], torch.Tensor]
 
@@ -482,8 +485,6 @@ class LibraryStore:
 
     def map_tensors(self, fn) -> None:
         """Replace every tensor of the stored blocks (quantized data, metadata, row maps) by ``fn(tensor)``."""
-        from kvgen.cache.base import map_nested
-
         for entry in self.blocks:
             entry[0] = map_nested(entry[0], fn)
             if entry[2] is not None:
@@ -495,3 +496,10 @@ class LibraryStore:
                       for q, n, rows in self.blocks]
         new.length = self.length
         return new
+
+
+# what cache files keep of these (kvgen.cache.codec): the library backends as their constructor arguments
+for _helper in (HQQBackend, KiviStore, LibraryStore, QuantoBackend):
+    register_persistable(_helper)
+register_policy(QuantoBackend, constructed=lambda b: [b.qtype.bits, b.group])
+register_policy(HQQBackend, constructed=lambda b: [b.nbits, b.group])

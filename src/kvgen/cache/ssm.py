@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import CacheLayer, check_next_positions, snapshot, config_value, text_config
+from kvgen.cache.base import CacheLayer, check_next_positions, config_value, register_layer_kind, snapshot, text_config
 from kvgen.cache.dynamic import DynamicCache
 from kvgen.cache.registry import register_cache
 from kvgen.cache.static import repeat_batch_rows, select_batch_rows
@@ -157,6 +157,9 @@ class SSMLayer(CacheLayer):
 def ssm_layer(config, batch_size: int | None = None, dtype=None, device=None) -> SSMLayer:
     """An :class:`SSMLayer` sized for ``config``; allocated now when ``batch_size`` and ``dtype`` are given."""
     return SSMLayer(*ssm_dims(config), batch_size=batch_size, dtype=dtype, device=device)
+
+
+register_layer_kind(SSM_LAYER_TYPES, ssm_layer)
 
 
 def _allocate_ssm_layers(cache: DynamicCache, batch_size, dtype, device) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.cache.base import Cache, CacheLayer, config_value, fixed_address, text_config
+from kvgen.cache.base import Cache, CacheLayer, config_value, fixed_address, layer_kind, operation, text_config
 from kvgen.cache.registry import register_cache
 
 
@@ -193,16 +193,13 @@ class StaticCache(Cache):
         self.max_cache_len = max_cache_len
         # offloaded buffers are preallocated on the offload device, not on the compute device
         layer_device = offload_device if offloading and None not in (batch, dtype) else device
-        from kvgen.cache.ssm import SSM_LAYER_TYPES, ssm_layer  # (ssm.py imports this module)
-
         super().__init__(layers=[
-            ssm_layer(config, batch, dtype, device) if kind in SSM_LAYER_TYPES  # Mamba layers: fixed-size states
+            layer_kind(kind)(config, batch, dtype, device) if layer_kind(kind)  # Mamba layers: fixed-size states
             else StaticLayer(max_cache_len, batch, heads, head_dim, layer_device, dtype)
             for kind in kinds])
         if offloading:
-            from kvgen.cache.offload import enable_offloading  # (offload.py imports this module)
-
-            enable_offloading(self, offload_device, only_non_sliding=offload_only_non_sliding, compute_device=device)
+            operation("enable_offloading")(self, offload_device, only_non_sliding=offload_only_non_sliding,
+                                           compute_device=device)
 
     def _empty_max_cache_shape(self):
         return self.max_cache_len

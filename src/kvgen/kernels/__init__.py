@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from kvgen.folders import cache_dir
+
 _HERE = Path(__file__).parent
 _SOURCES = sorted(_HERE.glob("*.cpp"))
 _HEADERS = sorted(_HERE.glob("*.h"))
@@ -62,8 +64,6 @@ def _cpu_flags() -> str:
 
 
 def _library_path() -> Path:
-    from kvgen.loading.default_model import cache_dir
-
     key = hashlib.sha256()
     for part in (*(p.read_bytes() for p in _SOURCES + _HEADERS), torch.__version__.encode(),
                  " ".join(_FLAGS + _PARALLEL).encode(), _cpu_flags().encode()):

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from kvgen.folders import cache_dir
 from kvgen.loading.checkpoint import save_safetensors_checkpoint
 from kvgen.loading.gguf import load_gguf
 from kvgen.tokenizer import AutoTokenizer
@@ -24,15 +24,6 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "SmolLM2-135M-Instruct-Q4_1"
 MARKER = "kvgen-conversion.json"
 CONVERSION_VERSION = 1  # bump when the conversion's output changes, to redo cached folders
-
-
-def cache_dir() -> Path:
-    """kvgen's cache folder: ``$KVGEN_CACHE``, else ``$XDG_CACHE_HOME/kvgen``, else ``~/.cache/kvgen``."""
-    if os.environ.get("KVGEN_CACHE"):
-        return Path(os.environ["KVGEN_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvgen"
-    return Path.home() / ".cache" / "kvgen"
 
 
 def default_gguf_path() -> Path:

@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, GGMLQuantizationType as Q
+from gguf import GGUFReader, GGMLQuantizationType as Q
 from gguf.quants import dequantize as _numpy_dequantize
 from tqdm.auto import tqdm
 
+from kvgen.loading.gguf_index import field_value, read_index
 from kvgen.models.packed import FORMATS, PackedWeight, can_pack, release_file_pages
 
 # -- reading ---------------------------------------------------------------------------------------
@@ -55,13 +56,6 @@ def _open(path: str | os.PathLike) -> GGUFReader:
         ) from None
 
 
-def _field_value(field: Any) -> Any:
-    value = field.contents()
-    if field.types == [GGUFValueType.FLOAT32]:
-        value = float(str(np.float32(value)))  # shortest repr: 1e-05, not 9.999999747378752e-06
-    return value
-
-
 def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """Return every metadata key of a GGUF file as a plain Python value.
 
@@ -71,7 +65,7 @@ def read_gguf_metadata(path: str | os.PathLike) -> dict[str, Any]:
         ('llama', 30)
     """
     reader = _open(path)
-    return {name: _field_value(field) for name, field in reader.fields.items()}
+    return {name: field_value(field) for name, field in reader.fields.items()}
 
 
 # -- dequantisation --------------------------------------------------------------------------------
@@ -396,8 +390,6 @@ def load_gguf(
         >>> config["num_hidden_layers"], state["model.norm.weight"].shape  # doctest: +SKIP
         (30, torch.Size([576]))
     """
-    from kvgen.loading.gguf_index import read_index
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")

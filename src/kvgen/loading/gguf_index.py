@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from kvgen.folders import cache_dir
 
 INDEX_VERSION = 1  # bump when the index's content changes
 _VOCABULARY = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
@@ -35,10 +37,16 @@ class IndexedTensor:
     data: np.ndarray
 
 
+def field_value(field: Any) -> Any:
+    """A ``gguf.ReaderField``'s value as plain Python (float32s by their shortest repr: 1e-05, not 9.99...e-06)."""
+    value = field.contents()
+    if field.types == [GGUFValueType.FLOAT32]:
+        value = float(str(np.float32(value)))
+    return value
+
+
 def cache_folder(path: Path) -> Path:
     """``<cache>/gguf/<key>``: the cache entry of the GGUF file at ``path``."""
-    from kvgen.loading.default_model import cache_dir
-
     path = path.resolve()
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{INDEX_VERSION}".encode()).hexdigest()[:20]
@@ -67,12 +75,10 @@ def read_index(path: Path, open_reader) -> tuple[dict[str, Any], list[IndexedTen
     if index is None:
         import sys
 
-        from kvgen.loading.gguf import _field_value
-
         print(f"kvgen: indexing {path.name} (once per file)", file=sys.stderr)
         reader = open_reader(path)
         index = {
-            "metadata": {name: _field_value(field) for name, field in reader.fields.items() if name not in _VOCABULARY},
+            "metadata": {name: field_value(field) for name, field in reader.fields.items() if name not in _VOCABULARY},
             "tensors": [{"name": t.name, "type": int(t.tensor_type), "shape": [int(d) for d in t.shape],
                          "offset": int(t.data_offset), "dtype": t.data.dtype.str, "data_shape": list(t.data.shape)}
                         for t in reader.tensors],

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvgen.config import GEMMA3_TYPES
-from kvgen.models import native
+import kvgen.models.native as native
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
 from kvgen.models.decode_blocks import decode_block
 from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts, fuses
