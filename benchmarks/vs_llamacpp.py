@@ -348,7 +348,8 @@ def main() -> None:
                   f"load {k['load_s']:.2f} vs {ll['load_s']:.2f} s"
                   + (f"; against the baseline: decode {row['baseline_ratio']['decode_tok_s']:.3f}x, prefill "
                      f"{row['baseline_ratio']['prefill_tok_s']:.3f}x" if args.baseline else ""), flush=True)
-    write(args, {"cpu": _cpu(), "lscpu_flags": _cpu_flags(), "load_average": os.getloadavg(), "rows": rows})
+            # after every row: a long run stopped early keeps what it measured
+            write(args, {"cpu": _cpu(), "lscpu_flags": _cpu_flags(), "load_average": os.getloadavg(), "rows": rows})
 
 
 def write(args, results: dict) -> None:
