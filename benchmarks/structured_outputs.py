@@ -62,6 +62,13 @@ LONG = {"type": "object", "properties": {"story": {"type": "string", "minLength"
         "required": ["story"], "additionalProperties": False}
 
 
+def ask(tokenizer, text: str) -> list[int]:
+    """``text`` as the model's user turn: through its chat template, or plain where it has none (Gemma 3's GGUF)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer(f"Question: {text}\nAnswer:")["input_ids"]
+
+
 def validity(manager, tokenizer, answers: int) -> dict:
     """``answers`` constrained answers (half greedy, half sampled): how many end by themselves, parse, validate."""
     import jsonschema
@@ -72,8 +79,7 @@ def validity(manager, tokenizer, answers: int) -> dict:
     for i in range(answers):
         kind = list(SCHEMAS)[i % len(SCHEMAS)]
         question = QUESTIONS[kind][(i // len(SCHEMAS)) % len(QUESTIONS[kind])]
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": f"{question} Answer in JSON."}],
-                                               add_generation_prompt=True)
+        prompt = ask(tokenizer, f"{question} Answer in JSON.")
         grammar = response_grammar({"type": "json_schema", "json_schema": {"name": kind, "schema": SCHEMAS[kind]}})
         sampled = i >= answers // 2
         settings = dict(do_sample=True, temperature=0.8, seed=i) if sampled else dict(do_sample=False)
@@ -95,7 +101,6 @@ def validity(manager, tokenizer, answers: int) -> dict:
 def decode_rate(manager, prompts: list[list[int]], grammar: str | None) -> float:
     """Tokens/s of ``prompts`` decoded at once (64 new tokens each, greedy): generated tokens after each request's
     first over the time from the first first token to the last finish."""
-    start = time.perf_counter()
     ids = [manager.add_request(p, max_new_tokens=64, grammar=grammar, eos_token_id=[]) for p in prompts]
     outs = [manager.get_result(rid, timeout=600) for rid in ids]
     end = time.perf_counter()
@@ -113,8 +118,7 @@ def run_model(name: str, answers: int, rounds: int) -> dict:
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     config = ContinuousBatchingConfig(max_memory="512MB", max_num_seqs=32, max_batch_tokens=512)
     long = response_grammar({"type": "json_schema", "json_schema": {"name": "story", "schema": LONG}})
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a long story about the sea."}],
-                                           add_generation_prompt=True)
+    prompt = ask(tokenizer, "Tell me a long story about the sea.")
     result = {"model": name, "file": Path(path).name, "weight_format": model.weight_format}
     with model.init_continuous_batching(tokenizer=tokenizer, continuous_batching_config=config) as manager:
         result["validity"] = validity(manager, tokenizer, answers)
@@ -149,10 +153,10 @@ def main() -> None:
               f"{row['batch_1']['free_tok_s']:.1f} tok/s), 16 concurrent {row['batch_16']['ratio']:.2f}x "
               f"({row['batch_16']['constrained_tok_s']:.1f} / {row['batch_16']['free_tok_s']:.1f})", flush=True)
         rows.append(row)
-    out = {"cpu": _cpu(), "cpu_flags": _cpu_flags(), "threads": args.threads, "load_before": load_before,
-           "load_after": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        out = {"cpu": _cpu(), "cpu_flags": _cpu_flags(), "threads": args.threads, "load_before": load_before,
+               "load_after": os.getloadavg()[0], "date": time.strftime("%Y-%m-%d %H:%M"), "rows": rows}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")  # after every model
 
 
 if __name__ == "__main__":
