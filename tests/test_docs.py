@@ -5,16 +5,11 @@ for the ``openai`` client's examples, a ``kvgen serve`` of it. An example that n
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from test_server import Server
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -27,31 +22,12 @@ def examples(path: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server():
-    """``kvgen serve`` of the packaged model under the name the examples use, on a free port."""
+    """``kvgen serve`` of the packaged model under the name the examples use (tests/test_server.py's ``Server``)."""
     from kvgen.loading.default_model import default_gguf_path
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(os.devnull, "w")
-    process = subprocess.Popen([sys.executable, "-m", "kvgen.cli", "serve", "-m", str(default_gguf_path()),
-                                "--served-model-name", "SmolLM2-135M-Instruct", "--port", str(port), "-t", "1"],
-                               stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200:
-                break
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail("kvgen serve did not start")
-        time.sleep(0.2)
-    yield f"http://127.0.0.1:{port}"
-    process.kill()
-    process.wait()
-    log.close()
+    s = Server(default_gguf_path(), "--kv-cache-memory", "64MB", name="SmolLM2-135M-Instruct")  # (later flags win)
+    yield s.url
+    s.close()
 
 
 def test_every_documentation_file_has_examples_or_none_by_design():

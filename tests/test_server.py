@@ -82,12 +82,12 @@ def reference(tiny):
 class Server:
     """``kvgen serve`` in a subprocess on a free port."""
 
-    def __init__(self, folder, *args: str):
+    def __init__(self, folder, *args: str, name: str = "tiny"):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "kvgen.cli", "serve", "-m", str(folder), "--served-model-name", "tiny",
+        command = [sys.executable, "-m", "kvgen.cli", "serve", "-m", str(folder), "--served-model-name", name,
                    "--port", str(self.port), "--kv-cache-memory", "4MB", "-t", "1", *args]  # (llama-server's -m, -t)
         self.log = tempfile.TemporaryFile("w+")
         env = {**os.environ, "KVGEN_DISABLE_COMPILE": "1", "OMP_NUM_THREADS": "1"}  # a tiny model: one thread
@@ -104,7 +104,7 @@ class Server:
                 pytest.fail(f"kvgen serve did not start:\n{self.output()}")
             time.sleep(0.2)
         # the first request may build kvgen's CPU kernels (once per machine): not timed by the tests
-        self.client().completions.create(model="tiny", prompt="Hi", max_tokens=1, timeout=600)
+        self.client().completions.create(model=name, prompt="Hi", max_tokens=1, timeout=600)
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60)
