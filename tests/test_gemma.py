@@ -222,8 +222,12 @@ def test_gemma2_gguf_names_norms_and_config(tmp_path):
              "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight"}
     written = {name: rng.standard_normal((100, 64) if name == "token_embd.weight" else (64, 64) if "attn_q" in name
                                          else (64,), dtype=np.float32) for name in names}
+    rest = {"blk.0.attn_k.weight": (32, 64), "blk.0.attn_v.weight": (32, 64), "blk.0.attn_output.weight": (64, 64),
+            "blk.0.ffn_gate.weight": (96, 64), "blk.0.ffn_up.weight": (96, 64), "blk.0.ffn_down.weight": (64, 96)}
     for name, array in written.items():
         writer.add_tensor(name, array)
+    for name, shape in rest.items():  # the rest of the layer (4 heads and 2 key/value heads of 16)
+        writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

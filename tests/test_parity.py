@@ -34,7 +34,7 @@ VARIANTS = {
     "mistral-sliding": (transformers.MistralConfig, {"sliding_window": 6}),
     "qwen2-bias": (transformers.Qwen2Config, {}),
     "qwen3-qknorm": (transformers.Qwen3Config, {"head_dim": 32}),
-    "phi3-partial": (transformers.Phi3Config, {"num_key_value_heads": 4, "pad_token_id": 0,
+    "phi3-partial": (transformers.Phi3Config, {"num_key_value_heads": 4, "pad_token_id": 0, "eos_token_id": 2,
                                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                                    "partial_rotary_factor": 0.5}}),
 }

@@ -10,6 +10,7 @@ from kvgen.cache import (Cache, CacheLayer, DynamicCache, DynamicLayer, DynamicS
 from kvgen.config import AutoConfig, PretrainedConfig
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.streamers import TextStreamer
+from kvgen.loading.errors import ModelFileError
 from kvgen.models import AutoModelForCausalLM, AutoModelForSpeechSeq2Seq
 from kvgen.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from kvgen.models.jamba import JambaConfig, JambaForCausalLM
@@ -25,7 +26,7 @@ __all__ = [
     "CacheLayer", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer", "EncoderDecoderCache",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM",
     "GenerationConfig", "HQQQuantizedCache", "HybridCache", "HybridMambaAttentionDynamicCache", "JambaConfig",
-    "JambaForCausalLM", "LlamaForCausalLM", "MambaCache", "MambaConfig", "MambaForCausalLM", "MistralForCausalLM",
+    "JambaForCausalLM", "LlamaForCausalLM", "MambaCache", "MambaConfig", "MambaForCausalLM", "MistralForCausalLM", "ModelFileError",
     "OffloadedCache", "OffloadedStaticCache", "Phi3ForCausalLM", "PreTrainedTokenizerFast", "PretrainedConfig",
     "QuantizedCache", "QuantizedCacheConfig", "QuantoQuantizedCache", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "SinkCache", "SinkLayer", "SlidingWindowCache", "SlidingWindowLayer", "StaticCache", "StaticLayer",

@@ -14,6 +14,9 @@ import json
 import os
 from typing import Any
 
+from kvgen.loading.consistency import check_config
+from kvgen.loading.errors import ModelFileError
+
 # Defaults per model_type for the fields that differ between families.
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False},
@@ -208,6 +211,9 @@ class PretrainedConfig:
             raise FileNotFoundError(f"config file not found: {path}") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON ({e}); re-export the checkpoint's config.json.") from None
+        if not isinstance(data, dict):
+            raise ModelFileError(path, "the document", "a JSON object of settings", type(data).__name__)
+        check_config(data, path)
         return cls.from_dict(data)
 
     @classmethod

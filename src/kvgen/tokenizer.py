@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from tokenizers import AddedToken, Tokenizer, processors
 
-from kvgen.chat_template import compile_chat_template
+from kvgen.chat_template import compile_chat_template, render_chat_template
+from kvgen.loading.errors import ModelFileError
 from kvgen.loading.gguf_tokenizer import read_gguf_vocabulary
 from kvgen.loading.hub import resolve_model_dir
 
@@ -80,6 +81,24 @@ def _add_flag(attribute: str, doc: str) -> property:
     return property(lambda self: getattr(self, attribute), set_, doc=doc)
 
 
+def _read_tokenizer_file(path: str | os.PathLike) -> Tokenizer:
+    """A ``tokenizer.json``, refused (:class:`ModelFileError`) when its merges use tokens outside its
+    vocabulary or two tokens share an id."""
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a plain Exception: bad JSON, merges of unknown tokens
+        raise ModelFileError(path, "the document", "a tokenizers JSON document whose merges use tokens of its "
+                             "vocabulary", str(e)) from None
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    if len(set(vocab.values())) != len(vocab):
+        tokens_of: dict[int, list[str]] = {}
+        for token, i in vocab.items():
+            tokens_of.setdefault(i, []).append(token)
+        i, tokens = min((i, sorted(tokens)) for i, tokens in tokens_of.items() if len(tokens) > 1)
+        raise ModelFileError(path, "model.vocab", "one token per id", f"id {i} for {' and '.join(map(repr, tokens))}")
+    return tokenizer
+
+
 class PreTrainedTokenizerFast:
     """A ``tokenizers.Tokenizer`` with transformers' encode/decode, padding and chat-template API.
 
@@ -116,7 +135,7 @@ class PreTrainedTokenizerFast:
         unknown = set(special_tokens) - set(SPECIAL_TOKEN_NAMES)
         if unknown:
             raise TypeError(f"unexpected arguments {sorted(unknown)}; special tokens are {SPECIAL_TOKEN_NAMES}")
-        self._tokenizer = tokenizer_object if tokenizer_object is not None else Tokenizer.from_file(str(tokenizer_file))
+        self._tokenizer = tokenizer_object if tokenizer_object is not None else _read_tokenizer_file(tokenizer_file)
         json_padding = self._tokenizer.padding
         self._tokenizer.no_padding()  # padding and truncation are applied per call
         self._tokenizer.no_truncation()
@@ -326,9 +345,10 @@ class PreTrainedTokenizerFast:
         batched = isinstance(conversation[0], (list, tuple))
         variables = {**self.special_tokens_map, **template_vars}
         rendered = [
-            template.render(messages=[{k: v for k, v in message.items() if v is not None} for message in chat],
-                            tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
-                            **variables)
+            render_chat_template(template, messages=[{k: v for k, v in message.items() if v is not None}
+                                                     for message in chat],
+                                 tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+                                 **variables)
             for chat in (conversation if batched else [conversation])
         ]
         text = rendered if batched else rendered[0]

@@ -24,6 +24,9 @@ from typing import Any, BinaryIO
 
 import torch
 
+from kvgen.loading.consistency import check_config
+from kvgen.loading.errors import ModelFileError
+
 MODEL_FILE = "model.bin"
 SUPPORTED_BINARY_VERSIONS = (6,)
 DTYPES = {0: torch.float32, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.float16, 5: torch.bfloat16}
@@ -66,9 +69,9 @@ class _Reader:
         self.file, self.path = file, path
         self.size = os.fstat(file.fileno()).st_size
 
-    def error(self, why: str) -> ValueError:
-        return ValueError(f"{self.path} is not a valid CTranslate2 model.bin ({why} at byte {self.file.tell()} of "
-                          f"{self.size}); the file is truncated or corrupt: copy or convert it again.")
+    def error(self, why: str) -> ModelFileError:
+        return ModelFileError(self.path, f"byte {self.file.tell()} of {self.size}", "a valid CTranslate2 model.bin",
+                              f"{why}: the file is truncated or corrupt (copy or convert it again)")
 
     def bytes(self, count: int) -> bytes:
         data = self.file.read(count)
@@ -106,8 +109,8 @@ class _Reader:
 def _read_header(reader: _Reader) -> tuple[int, str, int]:
     version = reader.uint("I")
     if version not in SUPPORTED_BINARY_VERSIONS:
-        raise ValueError(f"{reader.path} has CTranslate2 binary version {version}; kvgen reads version(s) "
-                         f"{SUPPORTED_BINARY_VERSIONS}. Convert the model again with a recent CTranslate2.")
+        raise ModelFileError(reader.path, "the binary version", f"version {SUPPORTED_BINARY_VERSIONS} (convert the "
+                             "model again with a recent CTranslate2)", f"binary version {version}; kvgen reads version")
     return version, reader.string(), reader.uint("I")
 
 
@@ -137,8 +140,8 @@ def read_ctranslate2_model(path: str | os.PathLike) -> CTranslate2Model:
             raise reader.error("unexpected bytes after the alias table")
     for alias, target in aliases.items():
         if target not in variables:
-            raise ValueError(f"{path}: alias {alias!r} points to {target!r}, which the file does not hold; "
-                             "the file is corrupt: convert it again.")
+            raise ModelFileError(path, f"alias {alias!r}", "a variable the file holds (convert it again)",
+                                 f"alias {alias!r} points to {target!r}, which the file does not hold")
     return CTranslate2Model(spec, revision, variables, aliases)
 
 
@@ -336,8 +339,9 @@ def load_ctranslate2_whisper(path: str | os.PathLike) -> tuple[dict[str, Any], d
     _dequantize(model)
     try:
         config, generation = _whisper_config(model, folder)
+        check_config(config, folder / MODEL_FILE)
         state = _whisper_state_dict(model, config["encoder_layers"], config["decoder_layers"])
     except KeyError as e:
-        raise ValueError(f"{folder / MODEL_FILE} is not a complete Whisper model: {e.args[0]}; convert it again "
-                         "with ct2-transformers-converter.") from None
+        raise ModelFileError(folder / MODEL_FILE, "the variables", "a complete Whisper model (convert it again with "
+                             "ct2-transformers-converter)", f"not a complete Whisper model: {e.args[0]}") from None
     return config, state, generation

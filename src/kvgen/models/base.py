@@ -272,6 +272,9 @@ def _use_packed_weights(model: nn.Module, state_dict: dict, device: torch.device
         weight = packed.pop(name)  # the rows are dropped once tiled (a permuted q or k is a copy of its own)
         module_name = name.removesuffix(".weight")
         original = model.get_submodule(module_name)
+        if tuple(weight.shape) != tuple(original.weight.shape):  # the kernels trust a packed weight's shape
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(weight.shape)} but the config needs "
+                             f"{tuple(original.weight.shape)}")
         weight = tile_rows(weight, arena.empty_like)  # 4-6-bit formats in tiles of 16 rows for the one-row product
         for holder in sharing[id(original.weight)]:
             module = model.get_submodule(holder)
