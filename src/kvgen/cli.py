@@ -261,7 +261,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                                       max_memory=args.kv_cache_memory, max_queue=args.max_queue,
-                                      kv_store=args.kv_store)
+                                      kv_store=args.kv_store, kv_store_retry=args.kv_store_retry)
     app = create_app(model, tokenizer, name, engine_config=engine, api_key=args.api_key)
     serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     return 0
@@ -378,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache budget: bytes, e.g. 512MB, or a fraction of free memory such as 0.5")
     s.add_argument("--kv-store", metavar="URL",
                    help="share prefix blocks with other replicas through Redis: redis://host:port/db")
+    s.add_argument("--kv-store-retry", type=float, default=30.0, metavar="SECONDS",
+                   help="after Redis failed, seconds before trying it again (meanwhile prefixes are cached locally)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let running requests finish before cancelling them")
     s.add_argument("--verbose", action="store_true", help="show a traceback on errors")

@@ -84,7 +84,8 @@ class ContinuousBatchingConfig:
     ``max_memory``: the KV cache budget (bytes, ``"512MB"``, or a fraction of free memory),
     unless ``num_blocks`` is given. ``max_batch_tokens``: tokens per forward pass (prompts are
     prefilled in chunks of what is left). ``max_num_seqs``: running sequences at most. ``kv_store``:
-    ``redis://host:port/db`` of a prefix-block store shared with other replicas (:mod:`kvgen.serving.store`).
+    ``redis://host:port/db`` of a prefix-block store shared with other replicas (:mod:`kvgen.serving.store`),
+    tried again ``kv_store_retry`` seconds after a failure.
     ``pack_weights``: while the engine runs, float32 CPU linear layers keep a copy of their weight in
     oneDNN's layout (:func:`kvgen.models.linear.pack_weights`): steps of 14 rows ran their products
     2.9x faster, 64 rows 1.8x (SmolLM2-135M, AMD EPYC Zen 4), for a second copy of those weights.
@@ -98,6 +99,7 @@ class ContinuousBatchingConfig:
     prefix_caching: bool = True
     max_queue: int | None = None  # waiting requests at most (None: no bound); add_request raises QueueFull past it
     kv_store: str | None = None
+    kv_store_retry: float = 30.0  # seconds between tries to reach Redis again after it failed
     pack_weights: bool = True
 
 
@@ -138,7 +140,8 @@ class ContinuousBatchingManager:
                       for kind in self.cache.kinds}
         if self.config.kv_store and not self.config.prefix_caching:
             raise ValueError("kv_store shares prefix blocks: it needs prefix_caching=True")
-        self.store = open_store(self.config.kv_store, model, self.cache) if self.config.kv_store else None
+        self.store = None if not self.config.kv_store else open_store(self.config.kv_store, model, self.cache,
+                                                                      self.config.kv_store_retry)
         self.scheduler = Scheduler(self.pools, self.config.max_num_seqs, self.config.max_batch_tokens,
                                    self.config.prefix_caching, self.store)
         self.runner = ModelRunner(model, self.cache)

@@ -306,14 +306,14 @@ class PrefixStore:
         return self.prefix + key.hex()
 
 
-def open_store(url: str, model, cache: PagedAttentionCache) -> PrefixStore | None:
+def open_store(url: str, model, cache: PagedAttentionCache, retry_after: float = 30.0) -> PrefixStore | None:
     """The :class:`PrefixStore` at ``url`` for ``cache``; ``None`` (logged) when the model has layers other than
     full attention, whose blocks the store does not share yet."""
     if cache.kinds != ("full_attention",):
         logger.warning("kv store: not used: this model has %s layers and the Redis store shares full-attention "
                        "blocks only; prefixes are cached locally", "/".join(cache.kinds))
         return None
-    return PrefixStore(url, model, cache)
+    return PrefixStore(url, model, cache, retry_after=retry_after)
 
 
 def _checksum(text: str, tensors: dict[str, torch.Tensor]) -> str:
