@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from kvgen.loading.consistency import check_config, check_gguf_tensors
 from kvgen.loading.errors import ModelFileError
-from kvgen.loading.gguf_file import read_gguf_header
+from kvgen.loading.gguf_file import TOKEN_ID_KEYS, read_gguf_header
 from kvgen.loading.gguf_index import read_index
 from kvgen.models.packed import FORMATS, PackedWeight, can_pack, release_file_pages
 
@@ -215,12 +215,6 @@ _PHI3_LAYER_NAMES = {**_LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}  # phi3 fuses
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                       "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 _ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
-_TOKEN_IDS = {
-    "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id",
-    "padding_token_id": "pad_token_id",
-    "unknown_token_id": "unk_token_id",
-}
 # config key -> GGUF metadata key (after "<architecture>."), for the checks' messages
 _METADATA_NAMES = {"hidden_size": "embedding_length", "intermediate_size": "feed_forward_length",
                    "num_hidden_layers": "block_count", "num_attention_heads": "attention.head_count",
@@ -293,7 +287,7 @@ def _config(meta: dict[str, Any], tensors: dict[str, Any], path: Path, dtype: to
             config["rope_scaling"]["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
     elif scaling != "none":
         raise ValueError(f"{path}: rope scaling type {scaling!r} is not supported (only linear and yarn).")
-    for gguf_key, hf_key in _TOKEN_IDS.items():
+    for gguf_key, hf_key in TOKEN_ID_KEYS.items():
         if f"tokenizer.ggml.{gguf_key}" in meta:
             config[hf_key] = meta[f"tokenizer.ggml.{gguf_key}"]
     return config
@@ -379,7 +373,7 @@ def load_gguf(
             f"{', '.join(_ARCHITECTURES)} (llama covers Llama, Mistral and SmolLM2)."
         )
     names = {hf: f"{arch}.{key}" for hf, key in _METADATA_NAMES.items()}
-    names.update({hf: f"tokenizer.ggml.{key}" for key, hf in _TOKEN_IDS.items()})
+    names.update({hf: f"tokenizer.ggml.{key}" for key, hf in TOKEN_ID_KEYS.items()})
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if names[key] not in meta:
             raise ModelFileError(path, f"key {names[key]}", "a positive integer", "no such key")

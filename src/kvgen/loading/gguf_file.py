@@ -38,6 +38,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _ARRAY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
                  12: "<f8"}
 _FLOAT32 = 6
+#: ``tokenizer.ggml.<key>`` special token ids -> their config names
+TOKEN_ID_KEYS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "padding_token_id": "pad_token_id",
+                 "unknown_token_id": "unk_token_id"}
 
 
 @dataclass

@@ -15,8 +15,9 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from kvgen.loading.consistency import check_config
 from kvgen.loading.errors import ModelFileError
-from kvgen.loading.gguf_file import read_gguf_header
+from kvgen.loading.gguf_file import TOKEN_ID_KEYS, read_gguf_header
 
 # Pre-tokenizer splits by `tokenizer.ggml.pre`, as transformers' GGUF converter uses them;
 # any other value (e.g. "smollm") keeps the plain GPT-2 byte-level split.
@@ -134,10 +135,8 @@ def _check_vocabulary(path: Path, metadata: dict[str, Any]) -> None:
         if values is not None and (not isinstance(values, list) or len(values) != len(tokens)):
             raise ModelFileError(path, f"key tokenizer.ggml.{key}", f"one entry per token ({len(tokens)})",
                                  f"{len(values) if isinstance(values, list) else type(values).__name__}")
-    for key in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"):
-        token = metadata.get(f"tokenizer.ggml.{key}")
-        if token is not None and (not isinstance(token, int) or not 0 <= token < len(tokens)):
-            raise ModelFileError(path, f"key tokenizer.ggml.{key}", f"a token id in 0..{len(tokens) - 1}", repr(token))
+    names = {hf: f"tokenizer.ggml.{key}" for key, hf in TOKEN_ID_KEYS.items()}
+    check_config({hf: metadata.get(key) for hf, key in names.items()}, path, names, vocabulary=len(tokens))
     merges = metadata.get("tokenizer.ggml.merges")
     for i, merge in enumerate(merges or []):
         if not isinstance(merge, str) or " " not in merge.strip(" "):
@@ -162,9 +161,9 @@ def read_gguf_vocabulary(path: Path) -> tuple[Tokenizer, dict[str, Any]]:
     try:
         backend = gguf_backend(kind, field("general.architecture"), field("tokenizer.ggml.pre"), tokens,
                                field("tokenizer.ggml.merges"), field("tokenizer.ggml.scores"), path)
+    except ValueError:
+        raise
     except Exception as e:  # tokenizers' own check: a merge of tokens outside the vocabulary
-        if isinstance(e, ValueError):
-            raise
         raise ModelFileError(path, "key tokenizer.ggml.merges", "merges of tokens in tokenizer.ggml.tokens",
                              str(e)) from None
     # Control tokens (type 3) become special added tokens, user-defined ones (type 4) plain added tokens.
