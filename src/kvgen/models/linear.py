@@ -14,6 +14,8 @@ continuous-batching engine packs its model's weights while it runs).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -46,6 +48,15 @@ def pack_weights(model: nn.Module, pack: bool = True) -> int:
 
 
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+
+# oneDNN builds a matmul for every new input shape, and two caches keep it: ideep's (LRU_CACHE_CAPACITY) and
+# oneDNN's own (ONEDNN_PRIMITIVE_CACHE_CAPACITY), 1,024 each by default, each entry holding ~0.5-2 MB at these
+# sizes. A server, whose prefill steps take any number of rows, grew by hundreds of MB (SmolLM2, Zen 3: 352 ->
+# 892 MB over 1,280 requests; bounded at 64: flat at ~610 MB, as fast). Only both bounds together bound it; 0
+# crashes ideep. Read at the first oneDNN product, so a product run before kvgen's import keeps the defaults.
+ONEDNN_CACHE_CAPACITY = 64
+for _variable in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
+    os.environ.setdefault(_variable, str(ONEDNN_CACHE_CAPACITY))
 
 
 class Linear(nn.Linear):
