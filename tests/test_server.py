@@ -705,3 +705,24 @@ def test_64_concurrent_requests(server, reference):
           f"{counts['cancelled']} cancelled mid-stream ({end.get(finished, 0) - start.get(finished, 0):.0f} cancelled "
           f"in the engine), {counts['invalid']} rejected; KV blocks free {end['kvgen_kv_blocks_free']:.0f} of "
           f"{end['kvgen_kv_blocks_total']:.0f} (start {start['kvgen_kv_blocks_free']:.0f})")
+
+
+@pytest.mark.parametrize("body", [{"model": "m", "tokens": [True]}, {"model": "m", "tokens": [1.0]}])
+def test_token_ids_are_integers_not_booleans_or_floats(body):
+    """JSON's true is no token id (pydantic's lax mode read it as 1): a 422 naming the field."""
+    from kvgen.serving.schemas import APIError, DetokenizeRequest, parse_body
+
+    with pytest.raises(APIError) as info:
+        parse_body(DetokenizeRequest, json.dumps(body).encode(), max_n=8)
+    assert info.value.status == 422 and str(info.value).startswith("tokens.0")
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", True), ("n", True), ("echo", 1), ("temperature", True),
+                                          ("prompt", [True])])
+def test_fields_take_their_own_json_type(field, value):
+    from kvgen.serving.schemas import APIError, CompletionRequest, parse_body
+
+    body = {"model": "m", "prompt": "Hi", field: value}
+    with pytest.raises(APIError) as info:
+        parse_body(CompletionRequest, json.dumps(body).encode(), max_n=8)
+    assert info.value.status == 422 and field in str(info.value)

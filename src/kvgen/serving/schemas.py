@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StringConstraints, ValidationError
 
 _ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
 
@@ -36,33 +36,33 @@ class APIError(Exception):
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore")  # like OpenAI: fields it does not know are ignored
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1)
-    seed: int | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0, le=2)
+    top_p: StrictFloat | None = Field(None, gt=0, le=1)
+    n: StrictInt = Field(1, ge=1)
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict[str, bool] | None = None
-    frequency_penalty: float = Field(0.0, ge=-2, le=2)
-    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    stream: StrictBool = False
+    stream_options: dict[str, StrictBool] | None = None
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2, le=2)
     logit_bias: dict[Annotated[str, StringConstraints(pattern=r"^[0-9]+$")],
-                     Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> added to its logit
+                     Annotated[StrictFloat, Field(ge=-100, le=100)]] | None = None  # token id -> added to its logit
     response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     # vLLM's extensions
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: all tokens
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    ignore_eos: bool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
+    top_k: StrictInt | None = Field(None, ge=-1)  # -1 or 0: all tokens
+    min_p: StrictFloat | None = Field(None, ge=0, le=1)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0)
+    ignore_eos: StrictBool = False  # vLLM's and llama.cpp's extension: go on past the end-of-sequence token
 
 
 class CompletionRequest(Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt scored and nothing generated
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0: with echo, the prompt scored and nothing generated
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: StrictInt | None = Field(None, ge=1)
 
 
 class Message(BaseModel):
@@ -76,12 +76,12 @@ class Message(BaseModel):
 
 class ChatRequest(Body):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     # OpenAI's fields that would change the answer and that kvgen does not serve: refused, never ignored
     functions: list[dict] | None = None
     function_call: str | dict | None = None
@@ -98,8 +98,8 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[Message] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
 
 
 class DetokenizeRequest(BaseModel):
@@ -107,7 +107,7 @@ class DetokenizeRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
 #: pydantic's errors of a value out of its range (400); other errors are of a wrong type (422)
