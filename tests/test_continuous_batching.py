@@ -374,8 +374,8 @@ def test_smollm_batch_equals_generate_alone(smollm):
 
 def test_prompt_logprobs_add_up_to_the_library_loglikelihood(smollm):
     """What lm-eval's loglikelihood sums (a continuation's prompt logprobs, the engine's pack_weights on) equals the
-    library's ``model(ids).logits`` log-softmax in float64 within 1e-4. The logits agree; with the normalizer summed
-    in float32, its rounding moved every logprob alike and this 33-token verse's sum 4.2e-4 away."""
+    library's ``model(ids).logits`` log-softmax in float64 within 1e-4. The logits agree; float32 ``log_softmax``'s
+    normalizer moved every logprob alike and this 33-token verse's sum 4.2e-4 away."""
     smollm, tokenizer = smollm
     verse = ("And the earth was without form, and void; and darkness was upon the face of the deep. And the Spirit of "
              "God moved upon the face of the waters.")

@@ -114,9 +114,10 @@ def choose(seq: Sequence, raw: torch.Tensor, allowed: torch.Tensor | None = None
 
 def logprob_of(raw: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float]]:
     """The log-probability of ``token`` under raw logits (V,), and the ``top`` likeliest tokens' (token -> value).
-    The normalizer is summed in float64: in float32 its rounding moved every logprob alike (SmolLM2's 49k tokens:
-    ~2e-5 each, 4e-4 over a 33-token continuation), which sums of prompt logprobs (lm-eval's loglikelihood) add up."""
-    total = float(torch.logsumexp(raw.double(), dim=-1))
+    The normalizer is torch's ``logsumexp`` (float32, ~1e-6 off float64's over 49k-262k tokens): ``log_softmax``'s
+    was 3e-6 to 3e-5 off, moving every logprob alike, which sums of prompt logprobs (lm-eval's loglikelihood) add
+    up (4e-4 over a 33-token continuation of SmolLM2). Float64 would take 2.8 ms over Gemma 3's 262k, 7x longer."""
+    total = float(torch.logsumexp(raw, dim=-1))
     best = {}
     if top:
         values, indices = raw.topk(top)
