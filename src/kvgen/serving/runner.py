@@ -77,26 +77,26 @@ class ModelRunner:
             value, top = logprob_of(logits[j].float(), token, seq.params.prompt_logprobs)
             seq.prompt_logprobs.append(value)
             seq.prompt_top_logprobs.append(top)
-        allowed = dict(zip(map(id, constrained), masks.wait().to(device))) if masks else {}
-        chosen = [(seq, *choose(seq, logits[j].float(), allowed.get(id(seq)))) for seq, j in sampled]
+        held = {}
+        if masks:  # the constrained rows' logits with -inf where their grammar says no, in one operation
+            rows = torch.tensor([j for seq, j in sampled if seq.matcher is not None], device=device)
+            allowed = masks.wait().to(device)  # (constrained, V)
+            for i in (~allowed.any(dim=1)).nonzero()[:, 0].tolist():  # nothing left: only the end of the reply
+                allowed[i, list(constrained[i].params.eos_token_ids)] = True
+            held = dict(zip(map(id, constrained), logits[rows].float().masked_fill(~allowed, float("-inf"))))
+        chosen = [(seq, *choose(seq, logits[j].float(), held.get(id(seq)))) for seq, j in sampled]
         for seq, token, _, _ in chosen:
             if seq.matcher is not None:
                 seq.matcher.consume_token(token)
         return chosen
 
 
-def choose(seq: Sequence, raw: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[int, float, dict[int, float]]:
-    """Next token of ``seq`` from its raw logits (V,), penalized and biased (:func:`adjusted`), among the
-    ``allowed`` ones (V,) bool where its grammar says (none left: only its end-of-sequence tokens), greedy or
-    sampled; with its log-probability under the model (the raw logits', as vLLM reports them) and the
-    ``top_logprobs`` most likely alternatives."""
+def choose(seq: Sequence, raw: torch.Tensor, held: torch.Tensor | None = None) -> tuple[int, float, dict[int, float]]:
+    """Next token of ``seq`` from its raw logits (V,), penalized and biased (:func:`adjusted`), among the tokens
+    its grammar allows (``held``: the raw logits with -inf elsewhere), greedy or sampled; with its log-probability
+    under the model (the raw logits', as vLLM reports them) and the ``top_logprobs`` most likely alternatives."""
     params: SamplingParams = seq.params
-    scores = adjusted(params, seq.prompt, seq.generated, raw)[None]  # (1, V)
-    if allowed is not None:
-        if not allowed.any() and params.eos_token_ids:
-            allowed = torch.zeros_like(allowed)
-            allowed[list(params.eos_token_ids)] = True
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = adjusted(params, seq.prompt, seq.generated, raw if held is None else held)[None]  # (1, V)
     if params.do_sample:
         for processor in _warpers(params):
             scores = processor(None, scores)
