@@ -40,7 +40,7 @@ SCHEMAS = {
         "occupation": {"type": "string", "maxLength": 60}, "alive": {"type": "boolean"}},
         "required": ["name", "born", "occupation", "alive"], "additionalProperties": False},
     "product": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 40}, "price": {"type": "number", "minimum": 0},
+        "name": {"type": "string", "maxLength": 40}, "price": {"type": "integer", "minimum": 0, "maximum": 100000},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
         "in_stock": {"type": "boolean"}},
         "required": ["name", "price", "tags", "in_stock"], "additionalProperties": False},

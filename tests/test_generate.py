@@ -660,14 +660,13 @@ def test_stop_strings_stop_where_transformers_stops(gguf_reference, smollm, stop
     prompts = ["Once upon a time, there was a little", "The capital of France is"]
     sides = tokenizer.padding_side, hf_tokenizer.padding_side
     tokenizer.padding_side = hf_tokenizer.padding_side = "left"
-    try:
-        for texts in (prompts[:1], prompts):
-            inputs = tokenizer(texts, return_tensors="pt", padding=True)
-            ref = hf.generate(**hf_tokenizer(texts, return_tensors="pt", padding=True), max_new_tokens=24,
-                              do_sample=False, stop_strings=stops, tokenizer=hf_tokenizer)
-            got = model.generate(**inputs, max_new_tokens=24, do_sample=False, stop_strings=stops,
-                                 tokenizer=tokenizer)
-            assert torch.equal(got, ref), (texts, tokenizer.batch_decode(got), hf_tokenizer.batch_decode(ref))
+    try:  # (the first prompt is the longer: its row has no padding, as a prompt alone)
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+        assert inputs["attention_mask"][0].all() and not inputs["attention_mask"][1].all()
+        ref = hf.generate(**hf_tokenizer(prompts, return_tensors="pt", padding=True), max_new_tokens=24,
+                          do_sample=False, stop_strings=stops, tokenizer=hf_tokenizer)
+        got = model.generate(**inputs, max_new_tokens=24, do_sample=False, stop_strings=stops, tokenizer=tokenizer)
+        assert torch.equal(got, ref), (tokenizer.batch_decode(got), hf_tokenizer.batch_decode(ref))
     finally:
         tokenizer.padding_side, hf_tokenizer.padding_side = sides
 
