@@ -4,7 +4,7 @@ llama.cpp's server and vLLM use; ``pip install kvgen[serve]``).
 A request's ``response_format`` becomes a grammar (:func:`response_grammar`); each of its sequences gets its
 own matcher (:meth:`Grammars.matcher`), which follows the tokens chosen. Before each step the runner starts
 the masks of the step's constrained sequences (:class:`Masks`: llguidance's threads, without the GIL) and
-runs the model meanwhile; then every token a mask leaves out gets a logit of -inf before the choice.
+runs the model meanwhile; then every token a mask refuses gets a logit of -inf before the choice.
 
 Example:
     >>> grammar = response_grammar({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}})
@@ -94,8 +94,8 @@ class Grammars:
 
 
 class Masks:
-    """The allowed tokens of several matchers' next step, computed in the background (:meth:`start`) while the
-    caller runs the model, then read as a bool (matchers, vocab_size) tensor (:meth:`wait`)."""
+    """The tokens several matchers allow at their next step, computed in the background (:meth:`start`) while the
+    caller runs the model, then read as a bool (matchers, vocab_size) tensor of the refused ones (:meth:`wait`)."""
 
     def __init__(self, grammars: Grammars, matchers: list):
         self.grammars, self.matchers = grammars, matchers
@@ -109,8 +109,8 @@ class Masks:
         return self
 
     def wait(self) -> torch.Tensor:
-        """(matchers, vocab_size) bool: True where the token is allowed."""
+        """(matchers, vocab_size) bool: True where the token is refused."""
         self.done.result()
         # bit j of word w is token 32 w + j: little-endian words, each byte's bits from the lowest
-        bits = np.unpackbits(self.bits.numpy().view(np.uint8), axis=1, bitorder="little")  # (m, 32 words)
-        return torch.from_numpy(bits[:, :self.grammars.vocab_size]).bool()
+        refused = np.unpackbits((~self.bits).numpy().view(np.uint8), axis=1, bitorder="little")  # (m, 32 words)
+        return torch.from_numpy(refused[:, :self.grammars.vocab_size]).view(torch.bool)  # (0 / 1 bytes as bool)

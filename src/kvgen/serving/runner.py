@@ -80,10 +80,10 @@ class ModelRunner:
         held = {}
         if masks:  # the constrained rows' logits with -inf where their grammar says no, in one operation
             rows = torch.tensor([j for seq, j in sampled if seq.matcher is not None], device=device)
-            allowed = masks.wait().to(device)  # (constrained, V)
-            for i in (~allowed.any(dim=1)).nonzero()[:, 0].tolist():  # nothing left: only the end of the reply
-                allowed[i, list(constrained[i].params.eos_token_ids)] = True
-            held = dict(zip(map(id, constrained), logits[rows].float().masked_fill(~allowed, float("-inf"))))
+            refused = masks.wait().to(device)  # (constrained, V)
+            for i in refused.all(dim=1).nonzero()[:, 0].tolist():  # nothing left: only the end of the reply
+                refused[i, list(constrained[i].params.eos_token_ids)] = False
+            held = dict(zip(map(id, constrained), logits[rows].float().masked_fill_(refused, float("-inf"))))
         chosen = [(seq, *choose(seq, logits[j].float(), held.get(id(seq)))) for seq, j in sampled]
         for seq, token, _, _ in chosen:
             if seq.matcher is not None:
