@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 # 240 row counts through kvgen's oneDNN product, two weights each; the resident size after the first 80 (the caches
 # full) against the end. With oneDNN's defaults (1,024 entries each) it grew 357 MB (AMD EPYC Zen 3); with kvgen's
-# 64, 49 MB (entries for more rows hold more): 64 entries of ~1.5 MB at most bound it below the limit.
+# 64, 49 MB (entries for more rows hold more). The limit leaves room for CPUs whose kernels keep twice as much.
 SCRIPT = textwrap.dedent("""
     import torch
     import kvgen
@@ -40,7 +40,7 @@ def test_onednn_caches_are_bounded_by_kvgen():
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     growth = float(run.stdout.split()[-1])
-    assert growth < 150, f"resident memory grew {growth:.0f} MB over 160 new input shapes"
+    assert growth < 200, f"resident memory grew {growth:.0f} MB over 160 new input shapes"
 
 
 def test_a_capacity_the_user_set_is_kept():
