@@ -4,7 +4,7 @@ costs the engine's decode.
 For each model (GGUF, weights in their stored precision, through its own chat template):
 
 * validity: ``--answers`` (50) answers to questions about people, products and weather, each held to its JSON
-  schema by ``response_format``'s grammar (:mod:`kvgen.serving.grammar`), half greedy and half sampled
+  schema by ``response_format``'s grammar (:mod:`kvgen.grammar`), half greedy and half sampled
   (temperature 0.8, a seed each); each must end by itself, parse, and validate (``jsonschema``);
 * speed: decode tokens/s with and without the grammar, at batch 1 (one request; its rate from its first token to
   its last) and at 16 concurrent requests (the tokens they generate over the time from the first token to the
@@ -73,7 +73,7 @@ def validity(manager, tokenizer, answers: int) -> dict:
     """``answers`` constrained answers (half greedy, half sampled): how many end by themselves, parse, validate."""
     import jsonschema
 
-    from kvgen.serving.grammar import response_grammar
+    from kvgen.grammar import response_grammar
 
     jobs = []
     for i in range(answers):
@@ -112,7 +112,7 @@ def decode_rate(manager, prompts: list[list[int]], grammar: str | None) -> float
 def run_model(name: str, answers: int, rounds: int) -> dict:
     from kvgen import AutoModelForCausalLM, AutoTokenizer
     from kvgen.serving import ContinuousBatchingConfig
-    from kvgen.serving.grammar import response_grammar
+    from kvgen.grammar import response_grammar
 
     path = model_path(name)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)

@@ -429,6 +429,25 @@ def test_stop_ends_the_text_where_generate_stop_strings_end_it(smollm_gguf, caps
     assert text == DEFAULT_PROMPT + stopped
 
 
+def test_json_schema_holds_the_reply_to_the_schema_as_generate_does(smollm_gguf, capsys, tmp_path):
+    import jsonschema
+
+    model, tokenizer = smollm_gguf
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    path = tmp_path / "person.json"
+    path.write_text(json.dumps(schema))
+    question = "Describe a person in JSON."
+    inputs = chat_inputs(tokenizer, [{"role": "user", "content": question}])
+    out = model.generate(**inputs, max_new_tokens=60, do_sample=False, tokenizer=tokenizer, response_format={
+        "type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    expected = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    jsonschema.validate(json.loads(expected), schema)
+    text, stats = run_generate(capsys, "--chat", "-n", "60", "--json-schema", str(path), "-p", question)
+    assert text == question + expected
+
+
 def test_repeat_penalty_applies_to_greedy_runs_too(smollm_gguf, capsys):
     model, tokenizer = smollm_gguf
     inputs = tokenizer(DEFAULT_PROMPT, return_tensors="pt")
@@ -454,6 +473,7 @@ def test_repeat_penalty_applies_to_greedy_runs_too(smollm_gguf, capsys):
     *([] if torch.cuda.is_available() else [(["generate", "--device", "cuda"], "no CUDA GPU is available here"),
                                             (["serve", "--device", "cuda"], "no CUDA GPU is available here")]),
     (["generate", "--cache", "quantized", "--cache-config", "nbits=3"], "nbits"),
+    (["generate", "--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json: not a "),
     (["chat", "--load", "/nonexistent/chat.safetensors"], "is missing; --load takes a file written by --save"),
 ])
 def test_errors_print_one_line_and_exit_non_zero(argv, message, capsys, monkeypatch):

@@ -291,7 +291,7 @@ def test_a_grammar_makes_every_reply_valid_json_for_its_schema(smollm):
     ends by itself (finish_reason "stop"); the unconstrained reply to the same prompt is not such JSON."""
     import jsonschema
 
-    from kvgen.serving.grammar import response_grammar
+    from kvgen.grammar import response_grammar
 
     model, tokenizer = smollm
     ask = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
@@ -319,7 +319,7 @@ def test_a_grammar_makes_every_reply_valid_json_for_its_schema(smollm):
 
 
 def test_response_formats_that_name_no_grammar_are_refused():
-    from kvgen.serving.grammar import GrammarError, response_grammar
+    from kvgen.grammar import GrammarError, response_grammar
 
     assert response_grammar(None) is None and response_grammar({"type": "text"}) is None
     for bad, message in [({"type": "xml"}, "text, json_object or json_schema"),

@@ -10,6 +10,7 @@ from kvgen.cache import (Cache, CacheLayer, DynamicCache, DynamicLayer, DynamicS
 from kvgen.config import AutoConfig, PretrainedConfig
 from kvgen.generation.config import GenerationConfig
 from kvgen.generation.streamers import TextStreamer
+from kvgen.grammar import GrammarError, GrammarLogitsProcessor, JsonSchemaLogitsProcessor
 from kvgen.loading.errors import ModelFileError
 from kvgen.models import AutoModelForCausalLM, AutoModelForSpeechSeq2Seq
 from kvgen.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
@@ -25,8 +26,8 @@ __all__ = [
     "AutoConfig", "AutoModelForCausalLM", "AutoModelForSpeechSeq2Seq", "AutoTokenizer", "BatchEncoding", "Cache",
     "CacheLayer", "DynamicCache", "DynamicLayer", "DynamicSlidingWindowLayer", "EncoderDecoderCache",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM",
-    "GenerationConfig", "HQQQuantizedCache", "HybridCache", "HybridMambaAttentionDynamicCache", "JambaConfig",
-    "JambaForCausalLM", "LlamaForCausalLM", "MambaCache", "MambaConfig", "MambaForCausalLM", "MistralForCausalLM", "ModelFileError",
+    "GenerationConfig", "GrammarError", "GrammarLogitsProcessor", "HQQQuantizedCache", "HybridCache", "HybridMambaAttentionDynamicCache", "JambaConfig",
+    "JambaForCausalLM", "JsonSchemaLogitsProcessor", "LlamaForCausalLM", "MambaCache", "MambaConfig", "MambaForCausalLM", "MistralForCausalLM", "ModelFileError",
     "OffloadedCache", "OffloadedStaticCache", "Phi3ForCausalLM", "PreTrainedTokenizerFast", "PretrainedConfig",
     "QuantizedCache", "QuantizedCacheConfig", "QuantoQuantizedCache", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "SinkCache", "SinkLayer", "SlidingWindowCache", "SlidingWindowLayer", "StaticCache", "StaticLayer",

@@ -113,6 +113,17 @@ def _sampling(args) -> tuple[dict, int | None]:
     return settings, seed
 
 
+def _json_schema_format(path: str) -> dict:
+    """The ``response_format`` of the JSON schema in the file ``path``; ValueError saying what is wrong with it."""
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--json-schema {path}: not a readable JSON file ({error})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object ({{...}}), not {type(schema).__name__}")
+    return {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema}}
+
+
 def _set_threads(threads: int | None) -> None:
     if threads is not None:
         import torch
@@ -158,8 +169,10 @@ def cmd_generate(args) -> int:
         cache = _make_cache(model, args.cache, args.cache_config, prompt_tokens + args.max_new_tokens)
     sampling, seed = _sampling(args)
     stops = {} if args.stop is None else {"stop_strings": args.stop, "tokenizer": tokenizer}
+    structured = {} if args.json_schema is None else {"response_format": _json_schema_format(args.json_schema),
+                                                      "tokenizer": tokenizer}
     out = model.generate(**inputs.to(model.device), past_key_values=cache, max_new_tokens=args.max_new_tokens,
-                         streamer=clock, return_dict_in_generate=True, **sampling, **drafting, **stops)
+                         streamer=clock, return_dict_in_generate=True, **sampling, **drafting, **stops, **structured)
     new = out.sequences[0, prompt_tokens:]
     print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock, out.speculation, seed))
     if prompt_cache is not None:
@@ -318,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-s", "--seed", type=int, metavar="N", help="seed of the sampling (default: a fresh one, printed)")
     g.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the text holds TEXT (kept in the output); repeat for several")
+    g.add_argument("--json-schema", metavar="FILE",
+                   help="hold the reply to JSON valid against the JSON schema in FILE (llguidance's grammar)")
     g.add_argument("--lookup", type=_positive_int, metavar="N",
                    help="speculative decoding: draft N tokens by prompt lookup (n-grams of the text so far)")
     g.add_argument("--draft-model", metavar="PATH",

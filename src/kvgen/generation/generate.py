@@ -21,6 +21,7 @@ from kvgen.generation.logits import apply_processors, build_processors
 from kvgen.generation.search import BeamSearch, choose_next_tokens
 from kvgen.generation.speculative import make_drafter, speculative_decode
 from kvgen.generation.stopping import MaxTime, StopStrings
+from kvgen.grammar import GrammarLogitsProcessor, response_grammar
 from kvgen.models.decode_blocks import blocks_compiled, eager_blocks, runs_fused
 from kvgen.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
@@ -79,6 +80,9 @@ class GenerationMixin:
         ``logits_processor`` list of callables ``(input_ids, scores) -> scores`` runs after kvgen's own
         processors and before the sampling ones (temperature, top-k, top-p, min-p), as transformers merges them;
         ``prefix_allowed_tokens_fn(batch_id, input_ids_row) -> token ids`` constrains each step, as in transformers.
+        ``response_format`` (OpenAI's: ``{"type": "json_schema", "json_schema": {"name", "schema"}}``,
+        ``{"type": "json_object"}`` or ``{"type": "text"}``) with ``tokenizer`` holds the reply to that JSON
+        (:class:`~kvgen.grammar.JsonSchemaLogitsProcessor`).
         Returns the sequences (B, L + new), or with ``return_dict_in_generate=True`` a
         ``GenerateDecoderOnlyOutput`` (``GenerateBeamDecoderOnlyOutput`` with ``num_beams > 1``).
         """
@@ -92,11 +96,16 @@ class GenerationMixin:
         custom_processors = list(model_inputs.pop("logits_processor", None) or [])  # (ids, scores) -> scores
         custom_criteria = list(model_inputs.pop("stopping_criteria", None) or [])  # (ids, scores) -> (B,) bool
         prefix_allowed_tokens_fn = model_inputs.pop("prefix_allowed_tokens_fn", None)  # (batch_id, ids) -> token ids
+        grammar = response_grammar(model_inputs.pop("response_format", None))  # OpenAI's, as `kvgen serve` takes it
         if model_inputs:
             raise TypeError(f"generate() got arguments it does not know: {sorted(model_inputs)}")
         if past_key_values is not None and "cache_implementation" in kwargs:
             raise ValueError("pass either past_key_values or cache_implementation, not both")
         config.validate()
+        if grammar is not None:
+            if tokenizer is None:
+                raise ValueError("response_format needs the model's tokenizer: generate(..., tokenizer=tokenizer)")
+            custom_processors.append(GrammarLogitsProcessor(grammar, tokenizer, config.eos_ids() or None))
         beams = config.num_beams > 1
         if beams and streamer is not None:
             raise ValueError("a streamer cannot follow beam search (num_beams > 1): the best beam is known only at the end")

@@ -17,6 +17,7 @@
 #include "attention.h"
 #include "dot.h"
 #include "layer.h"
+#include "sampling.h"
 
 namespace kvgen {
 namespace {
@@ -414,6 +415,21 @@ at::Tensor decoder_layers_op(const at::Tensor& x0, at::TensorList cos, at::Tenso
   return out;
 }
 
+// logits (R, V) or (V,) float32, each row contiguous; allowed (R, W) or (W,) int32 words of bits, 32 W >= V
+void mask_refused_op(at::Tensor& logits, const at::Tensor& allowed) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() >= 1 && logits.dim() <= 2 && logits.stride(-1) == 1,
+              "kvgen: mask_refused_ takes float32 logits (rows, V) or (V,), each row contiguous");
+  TORCH_CHECK(allowed.scalar_type() == at::kInt && allowed.dim() == logits.dim() && allowed.is_contiguous() &&
+              (logits.dim() == 1 || allowed.size(0) == logits.size(0)),
+              "kvgen: mask_refused_ takes a contiguous int32 bitmask with a row of words per row of logits");
+  const int64_t V = logits.size(-1), W = allowed.size(-1), R = logits.dim() == 2 ? logits.size(0) : 1;
+  TORCH_CHECK(W * 32 >= V, "kvgen: the bitmask's ", W, " words hold fewer than the ", V, " tokens of the logits");
+  float* rows = logits.data_ptr<float>();
+  const int64_t stride = logits.dim() == 2 ? logits.stride(0) : 0;
+  const auto* words = reinterpret_cast<const uint32_t*>(allowed.const_data_ptr<int32_t>());
+  for (int64_t r = 0; r < R; ++r) mask_refused(rows + r * stride, V, words + r * W);
+}
+
 }  // namespace
 }  // namespace kvgen
 
@@ -433,6 +449,7 @@ TORCH_LIBRARY(kvgen, m) {
         "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
         "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
   m.def("gated_activation(Tensor gate_up, int act) -> Tensor");
+  m.def("mask_refused_(Tensor(a!) logits, Tensor allowed) -> ()");
   m.def("decoder_stack(float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, "
         "Tensor?[] k_norms, Tensor[] qkv, int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, "
         "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, "
@@ -455,4 +472,5 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("decoder_mlp", kvgen::decoder_mlp_op);
   m.impl("decoder_layers", kvgen::decoder_layers_op);
   m.impl("gated_activation", kvgen::gated_activation_op);
+  m.impl("mask_refused_", kvgen::mask_refused_op);
 }

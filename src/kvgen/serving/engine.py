@@ -30,7 +30,7 @@ from kvgen.cache.paged import PagedAttentionCache
 from kvgen.generation.config import GenerationConfig
 from kvgen.models.linear import pack_weights
 from kvgen.serving.blocks import BlockPool
-from kvgen.serving.grammar import Grammars
+from kvgen.grammar import Grammars
 from kvgen.serving.runner import ModelRunner
 from kvgen.serving.scheduler import RequestStatus, SamplingParams, Scheduler, Sequence
 from kvgen.serving.store import open_store
@@ -203,7 +203,7 @@ class ContinuousBatchingManager:
         (0-20) scores the prompt too: each prompt token's log-probability given the tokens before it (None for the
         first) and its ``k`` likeliest alternatives, in the outputs' ``prompt_logprobs`` and ``prompt_top_logprobs``
         (its blocks are computed, not taken from the prefix cache). ``grammar`` (llguidance's, e.g. from
-        :func:`kvgen.serving.grammar.response_grammar`) constrains every reply to it; it needs the tokenizer.
+        :func:`kvgen.grammar.response_grammar`) constrains every reply to it; it needs the tokenizer.
 
         With ``num_return_sequences=n > 1`` the request yields ``n`` results: ``request_id`` and
         ``f"{request_id}__child#{i}"``, which share the prompt's cached blocks.

@@ -19,7 +19,7 @@ import torch
 from kvgen.cache.paged import PagedAttentionCache
 from kvgen.generation.logits import min_p, temperature, top_k, top_p
 from kvgen.models.decode_blocks import eager_blocks
-from kvgen.serving.grammar import Grammars, Masks
+from kvgen.grammar import Grammars, Masks, mask_refused_
 from kvgen.serving.scheduler import SamplingParams, Sequence
 
 
@@ -77,26 +77,27 @@ class ModelRunner:
             value, top = logprob_of(logits[j].float(), token, seq.params.prompt_logprobs)
             seq.prompt_logprobs.append(value)
             seq.prompt_top_logprobs.append(top)
-        held = {}
-        if masks:  # the constrained rows' logits with -inf where their grammar says no, in one operation
-            rows = torch.tensor([j for seq, j in sampled if seq.matcher is not None], device=device)
-            refused = masks.wait().to(device)  # (constrained, V)
-            for i in refused.all(dim=1).nonzero()[:, 0].tolist():  # nothing left: only the end of the reply
-                refused[i, list(constrained[i].params.eos_token_ids)] = False
-            held = dict(zip(map(id, constrained), logits[rows].float().masked_fill_(refused, float("-inf"))))
-        chosen = [(seq, *choose(seq, logits[j].float(), held.get(id(seq)))) for seq, j in sampled]
+        allowed = {}
+        if masks:  # llguidance's bitmask of each constrained row
+            bits = masks.wait([list(seq.params.eos_token_ids) for seq in constrained])  # (constrained, words)
+            allowed = dict(zip(map(id, constrained), bits))
+        chosen = [(seq, *choose(seq, logits[j].float(), allowed.get(id(seq)))) for seq, j in sampled]
         for seq, token, _, _ in chosen:
             if seq.matcher is not None:
                 seq.matcher.consume_token(token)
         return chosen
 
 
-def choose(seq: Sequence, raw: torch.Tensor, held: torch.Tensor | None = None) -> tuple[int, float, dict[int, float]]:
+def choose(seq: Sequence, raw: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[int, float, dict[int, float]]:
     """Next token of ``seq`` from its raw logits (V,), penalized and biased (:func:`adjusted`), among the tokens
-    its grammar allows (``held``: the raw logits with -inf elsewhere), greedy or sampled; with its log-probability
-    under the model (the raw logits', as vLLM reports them) and the ``top_logprobs`` most likely alternatives."""
+    its grammar allows (``allowed``: a bitmask of :class:`~kvgen.grammar.Masks`, applied to ``raw`` in
+    place), greedy or sampled; with its log-probability under the model (the raw logits', as vLLM reports them) and
+    the ``top_logprobs`` most likely alternatives."""
     params: SamplingParams = seq.params
-    scores = adjusted(params, seq.prompt, seq.generated, raw if held is None else held)[None]  # (1, V)
+    total, top = normalizer(raw, params.top_logprobs)  # before the grammar's mask: the model's own probabilities
+    if allowed is not None:  # the chosen token is allowed, so its logit stays as the model gave it
+        mask_refused_(raw, allowed)
+    scores = adjusted(params, seq.prompt, seq.generated, raw)[None]  # (1, V)
     if params.do_sample:
         for processor in _warpers(params):
             scores = processor(None, scores)
@@ -109,20 +110,27 @@ def choose(seq: Sequence, raw: torch.Tensor, held: torch.Tensor | None = None) -
         token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=seq.generator))
     else:
         token = int(torch.argmax(scores, dim=-1))
-    return token, *logprob_of(raw, token, params.top_logprobs)
+    return token, float(raw[token]) - total, top
 
 
 def logprob_of(raw: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float]]:
-    """The log-probability of ``token`` under raw logits (V,), and the ``top`` likeliest tokens' (token -> value).
-    The normalizer is torch's ``logsumexp`` (float32, ~1e-6 off float64's over 49k-262k tokens): ``log_softmax``'s
-    was 3e-6 to 3e-5 off, moving every logprob alike, which sums of prompt logprobs (lm-eval's loglikelihood) add
-    up (4e-4 over a 33-token continuation of SmolLM2). Float64 would take 2.8 ms over Gemma 3's 262k, 7x longer."""
+    """The log-probability of ``token`` under raw logits (V,), and the ``top`` likeliest tokens' (token -> value)."""
+    total, best = normalizer(raw, top)
+    return float(raw[token]) - total, best
+
+
+def normalizer(raw: torch.Tensor, top: int) -> tuple[float, dict[int, float]]:
+    """``log(sum(exp(raw)))`` of raw logits (V,), and the ``top`` likeliest tokens' log-probabilities (token ->
+    value). The normalizer is torch's ``logsumexp`` (float32, ~1e-6 off float64's over 49k-262k tokens):
+    ``log_softmax``'s was 3e-6 to 3e-5 off, moving every logprob alike, which sums of prompt logprobs (lm-eval's
+    loglikelihood) add up (4e-4 over a 33-token continuation of SmolLM2). Float64 would take 2.8 ms over Gemma 3's
+    262k, 7x longer."""
     total = float(torch.logsumexp(raw, dim=-1))
     best = {}
     if top:
         values, indices = raw.topk(top)
         best = {i: v - total for i, v in zip(indices.tolist(), values.tolist())}
-    return float(raw[token]) - total, best
+    return total, best
 
 
 def adjusted(params: SamplingParams, prompt: list[int], generated: list[int], raw: torch.Tensor) -> torch.Tensor:

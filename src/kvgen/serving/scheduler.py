@@ -64,7 +64,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this for each token the generated text holds at least once
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's log-probability and the k likeliest
-    grammar: str | None = None  # llguidance's grammar the reply must follow (kvgen.serving.grammar)
+    grammar: str | None = None  # llguidance's grammar the reply must follow (kvgen.grammar)
     repetition_penalty: float = 1.0  # vLLM's and transformers': on the prompt's and the reply's tokens
     min_p: float = 0.0
 

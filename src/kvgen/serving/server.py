@@ -8,7 +8,7 @@ the logprobs stay the model's). Completions also take ``echo`` (the prompt befor
 its tokens' too; ``max_tokens: 0`` scores the prompt alone), ``best_of`` (the ``n`` of the highest
 log-probability per token) and ``suffix`` (fill-in-the-middle, where the tokenizer has FIM tokens). Both routes
 take ``response_format`` (``json_object``, ``json_schema``: every reply valid JSON for the schema; llguidance's
-masks, :mod:`kvgen.serving.grammar`); chat takes ``tools`` and ``tool_choice`` (:mod:`kvgen.serving.tools`). Beyond OpenAI's fields a body may set ``ignore_eos`` (as vLLM and llama.cpp's
+masks, :mod:`kvgen.grammar`); chat takes ``tools`` and ``tool_choice`` (:mod:`kvgen.serving.tools`). Beyond OpenAI's fields a body may set ``ignore_eos`` (as vLLM and llama.cpp's
 server do).
 The server validates, turns each HTTP request into engine requests and streams back; all of the
 policy lives in the scheduler. Errors are OpenAI's body ``{"error": {"message", "type", "param",
@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException
 
 from kvgen.serving.choices import ChoiceText, best_choices, openai_logprobs, read_calls
 from kvgen.serving.engine import ContinuousBatchingConfig, ContinuousBatchingManager, GenerationOutput, QueueFull
-from kvgen.serving.grammar import GrammarError, response_grammar
+from kvgen.grammar import GrammarError, response_grammar
 from kvgen.serving.metrics import Metrics
 from kvgen.serving.schemas import (APIError, Body, ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    check, components, errors, parse_body, post_operation)

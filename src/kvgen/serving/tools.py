@@ -7,7 +7,7 @@ a call, and the calls read back from a reply.
   Hermes and Qwen2.5 do, ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, or as Llama 3.x does, a
   reply that is one JSON object ``{"name": ..., "parameters": {...}}``; only calls of offered tools count.
 * ``"required"``: one call or more (one with ``parallel_tool_calls: false``), the reply held to a JSON array of
-  calls by a grammar (:mod:`kvgen.serving.grammar`).
+  calls by a grammar (:mod:`kvgen.grammar`).
 * ``{"type": "function", "function": {"name": ...}}``: that function, the reply held to its parameters' schema.
 * ``"none"``: no call; the tools are not shown to the model.
 
@@ -25,7 +25,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from kvgen.serving.grammar import GrammarError, schema_grammar
+from kvgen.grammar import GrammarError, schema_grammar
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _OPEN = "<tool_call>"
