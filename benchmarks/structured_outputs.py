@@ -8,8 +8,9 @@ For each model (GGUF, weights in their stored precision, through its own chat te
   (temperature 0.8, a seed each); each must end by itself, parse, and validate (``jsonschema``);
 * speed: decode tokens/s with and without the grammar, at batch 1 (one request; its rate from its first token to
   its last) and at 16 concurrent requests (the tokens they generate over the time from the first token to the
-  last), each side ``--rounds`` times, alternating; the constrained requests are held to a schema of long free-text
-  fields so that they run as long as the free ones (``max_new_tokens`` 64 both).
+  last), each side ``--rounds`` (5) times, alternating, each side first in every other round; the constrained
+  requests are held to a schema of long free-text fields so that they run as long as the free ones
+  (``max_new_tokens`` 64 both).
 
 Writes ``benchmarks/results/structured_outputs.json`` with the CPU, its vector extensions and the load.
 
@@ -125,9 +126,9 @@ def run_model(name: str, answers: int, rounds: int) -> dict:
         decode_rate(manager, [prompt], long)  # warm-up: the tokenizer's vocabulary read by llguidance, caches
         for batch in (1, 16):
             rates = {"free": [], "constrained": []}
-            for _ in range(rounds):  # alternating
-                rates["free"].append(decode_rate(manager, [prompt] * batch, None))
-                rates["constrained"].append(decode_rate(manager, [prompt] * batch, long))
+            for r in range(rounds):  # alternating, each side first in every other round
+                for side in ("free", "constrained")[::1 if r % 2 == 0 else -1]:
+                    rates[side].append(decode_rate(manager, [prompt] * batch, long if side == "constrained" else None))
             free, held = statistics.median(rates["free"]), statistics.median(rates["constrained"])
             result[f"batch_{batch}"] = {"free_tok_s": free, "constrained_tok_s": held, "ratio": held / free,
                                         "rounds": rates}
@@ -138,7 +139,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="smollm2,gemma3,coder")
     parser.add_argument("--answers", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(RESULTS / "structured_outputs.json"))
     args = parser.parse_args()

@@ -119,7 +119,7 @@ class PreTrainedModel(nn.Module, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *, dtype=None, torch_dtype=None,
                         device_map=None, gguf_file: str | None = None, revision: str = "main",
-                        quantization_config=None):
+                        quantization_config=None, tp_plan: str | None = None):
         """Load from an HF folder (single or sharded safetensors), a hub id, a GGUF file, or a CTranslate2 folder.
 
         A GGUF file's weights stay in their stored types unless ``dtype`` is given (then they are
@@ -127,7 +127,8 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         checkpoint's linear and embedding weights at that width and computes in float32 (this
         CPU has no 16-bit arithmetic; the weights stream at half the bytes). ``quantization_config``
         (a :class:`kvgen.TorchAoConfig` or its dict) quantizes a float checkpoint's linear layers
-        at load: int8 or int4.
+        at load: int8 or int4. ``tp_plan="auto"``, under torchrun, splits the layers over the ranks
+        (:mod:`kvgen.tensor_parallel`; each rank on ``cuda:LOCAL_RANK`` where CUDA is available).
         """
         from kvgen.quantization import parse_quantization_config
         from kvgen.loading.checkpoint import load_safetensors_state_dict, read_generation_config
@@ -140,6 +141,8 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         if gguf_file is None and path.suffix == ".gguf":
             path, gguf_file = path.parent, path.name
         quantization = parse_quantization_config(quantization_config)
+        if tp_plan is not None and device_map is None and torch.cuda.is_available():
+            device_map = f"cuda:{os.environ.get('LOCAL_RANK', 0)}"  # a GPU per rank, as torchrun numbers them
         folder = resolve_model_dir(path, revision)
         generation = None
         if gguf_file is not None:
@@ -175,6 +178,12 @@ class PreTrainedModel(nn.Module, GenerationMixin):
         if generation:
             model.generation_config = GenerationConfig.from_dict(generation)
         model.name_or_path = str(pretrained_model_name_or_path)
+        if tp_plan is not None:
+            from kvgen.tensor_parallel import shard_model
+
+            if tp_plan != "auto":
+                raise ValueError(f'tp_plan takes "auto" (the model family\'s split), not {tp_plan!r}')
+            shard_model(model)
         return model
 
     @classmethod

@@ -1,0 +1,104 @@
+"""Tensor parallelism with gloo and 2 processes (torchrun) on this CPU: logits within 1e-4 of the single process
+and the same greedy tokens, for Llama, Qwen2 (biases; one key/value head, replicated on both ranks) and Gemma 3
+(sliding layers, per-head norms); each rank's cache holds its own heads. Bad setups fail on every rank with a clear
+error, and a rank that dies makes the run fail instead of hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvgen import AutoModelForCausalLM
+from kvgen.models.decode_blocks import eager_blocks
+from kvgen.tensor_parallel import TensorParallelError, split_heads
+
+HERE = Path(__file__).parent
+PROMPT = torch.tensor([[1, 5, 9, 13, 7, 3, 22, 40, 2, 17, 30, 11]])
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Random checkpoints written by transformers: (Llama, Qwen2, Gemma 3) folders."""
+    root = tmp_path_factory.mktemp("tp")
+    torch.manual_seed(0)
+    models = {
+        "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **SMALL, num_attention_heads=4, num_key_value_heads=2)),
+        "qwen2": transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **SMALL, num_attention_heads=4, num_key_value_heads=1)),
+        "gemma3": transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"])),
+    }
+    for name, model in models.items():
+        model.save_pretrained(root / name)
+    return {name: str(root / name) for name in models}
+
+
+def torchrun(out: Path, *folders: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(HERE / "tp_worker.py"), str(out), *folders], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_two_ranks_give_the_single_process_logits_and_tokens(folders, tmp_path):
+    run = torchrun(tmp_path, *folders.values())
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name, folder in folders.items():
+        split = torch.load(tmp_path / f"{name}.pt")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        assert split["heads"] == (heads // 2, max(kv_heads // 2, 1)), name  # each rank's cache: its own heads
+        torch.testing.assert_close(split["logits"], model(PROMPT).logits, atol=1e-4, rtol=0)
+        for cache in ("dynamic", "static"):
+            with eager_blocks():  # as the ranks run them
+                expected = model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation=cache)
+            assert split[cache].tolist() == expected.tolist(), (name, cache)
+
+
+def test_ranks_on_different_models_fail_with_a_clear_error(folders, tmp_path):
+    """Rank 0 loads Llama, rank 1 Qwen2 (the worker puts its rank in the folder's name)."""
+    llama, qwen2 = Path(folders["llama"]), Path(folders["qwen2"])
+    (tmp_path / "m.rank0").symlink_to(llama)
+    (tmp_path / "m.rank1").symlink_to(qwen2)
+    run = torchrun(tmp_path, str(tmp_path / "m.rank{rank}"))
+    assert run.returncode != 0
+    assert "loaded another model than rank 0" in run.stderr
+
+
+def test_a_rank_that_dies_mid_decode_fails_the_run_instead_of_hanging(folders, tmp_path):
+    start = time.monotonic()
+    run = torchrun(tmp_path, folders["llama"], env={"KVGEN_TEST_DIE_AT": "4", "KVGEN_TP_TIMEOUT": "30"})
+    assert run.returncode != 0 and time.monotonic() - start < 120
+    assert not (tmp_path / "llama.pt").exists()
+
+
+@pytest.mark.parametrize("heads,kv_heads,ranks,message", [
+    (9, 3, 2, "9 attention heads do not split over 2 ranks"),
+    (12, 3, 4, "3 key/value heads do not split over 4 ranks"),
+])
+def test_heads_that_do_not_split_are_refused(heads, kv_heads, ranks, message):
+    with pytest.raises(TensorParallelError, match=message):
+        split_heads(heads, kv_heads, ranks, 0)
+
+
+def test_key_value_heads_are_replicated_on_the_ranks_whose_queries_read_them():
+    assert [split_heads(8, 2, 4, r) for r in range(4)] == [
+        (range(0, 2), range(0, 1)), (range(2, 4), range(0, 1)), (range(4, 6), range(1, 2)), (range(6, 8), range(1, 2))]
+    assert split_heads(16, 8, 2, 1) == (range(8, 16), range(4, 8))
+
+
+def test_tp_plan_outside_torchrun_says_how_to_start_the_ranks(folders, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(TensorParallelError, match="runs under torchrun"):
+        AutoModelForCausalLM.from_pretrained(folders["llama"], dtype=torch.float32, tp_plan="auto")

@@ -1,0 +1,39 @@
+"""One rank of the tensor-parallel tests (tests/test_tensor_parallel.py), started by torchrun: for each model folder
+in argv (``{rank}`` in it replaced by the rank), load it split over the ranks, then write rank 0's logits of a prompt and greedy tokens (dynamic and static
+caches) to ``OUT/<folder name>.pt``. ``KVGEN_TEST_DIE_AT``: rank 1 exits at that step of the first decode."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kvgen import AutoModelForCausalLM
+
+PROMPT = torch.tensor([[1, 5, 9, 13, 7, 3, 22, 40, 2, 17, 30, 11]])
+
+
+def main(out: Path, folders: list[str]) -> None:
+    torch.set_num_threads(1)
+    for folder in folders:
+        folder = folder.replace("{rank}", os.environ["RANK"])  # ranks on different models, for the errors' test
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tp_plan="auto")
+        die_at = int(os.environ.get("KVGEN_TEST_DIE_AT", "0"))
+        if die_at and dist.get_rank() == 1:
+            steps = []
+            model.model.layers[0].register_forward_hook(lambda *_: steps.append(1) or (
+                len(steps) == die_at and os._exit(3)))
+        result = {"logits": model(PROMPT).logits,
+                  "dynamic": model.generate(PROMPT, max_new_tokens=12, do_sample=False),
+                  "static": model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation="static"),
+                  "heads": (model.config.num_attention_heads, model.config.num_key_value_heads)}
+        if dist.get_rank() == 0:
+            torch.save(result, out / f"{Path(folder).name}.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
