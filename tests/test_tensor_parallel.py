@@ -1,6 +1,6 @@
 """Tensor parallelism with gloo and 2 processes (torchrun) on this CPU: logits within 1e-4 of the single process
-and the same greedy tokens, for Llama, Qwen2 (biases; one key/value head, replicated on both ranks) and Gemma 3
-(sliding layers, per-head norms); each rank's cache holds its own heads. Bad setups fail on every rank with a clear
+and the same greedy tokens, for Llama, Qwen2 (biases; one key/value head, replicated on both ranks), Gemma 3
+(sliding layers, per-head norms) and a GGUF in its stored blocks; each rank's cache holds its own heads. Bad setups fail on every rank with a clear
 error, and a rank that dies makes the run fail instead of hang."""
 
 from __future__ import annotations
@@ -11,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import transformers
+from test_loading import CFG, _random_llama_state, _write_llama_gguf
 
 from kvgen import AutoModelForCausalLM
 from kvgen.models.decode_blocks import eager_blocks
@@ -26,7 +28,8 @@ SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_la
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """Random checkpoints written by transformers: (Llama, Qwen2, Gemma 3) folders."""
+    """Random checkpoints written by transformers (Llama, Qwen2, Gemma 3 folders) and a Llama GGUF in Q4_0 (run in
+    its stored blocks, split on block boundaries; tiles of 16 rows where this CPU takes them)."""
     root = tmp_path_factory.mktemp("tp")
     torch.manual_seed(0)
     models = {
@@ -40,7 +43,11 @@ def folders(tmp_path_factory):
     }
     for name, model in models.items():
         model.save_pretrained(root / name)
-    return {name: str(root / name) for name in models}
+    paths = {name: str(root / name) for name in models}
+    cfg = dict(CFG, inter=128)  # each rank's half of the MLP: whole blocks of 32
+    _write_llama_gguf(root / "llama-q4_0.gguf", _random_llama_state(False, cfg), gguf.GGMLQuantizationType.Q4_0,
+                      cfg=cfg)
+    return {**paths, "gguf": str(root / "llama-q4_0.gguf")}
 
 
 def torchrun(out: Path, *folders: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -54,8 +61,8 @@ def test_two_ranks_give_the_single_process_logits_and_tokens(folders, tmp_path):
     run = torchrun(tmp_path, *folders.values())
     assert run.returncode == 0, run.stderr[-3000:]
     for name, folder in folders.items():
-        split = torch.load(tmp_path / f"{name}.pt")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        split = torch.load(tmp_path / f"{Path(folder).name}.pt")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=None if name == "gguf" else torch.float32)
         heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         assert split["heads"] == (heads // 2, max(kv_heads // 2, 1)), name  # each rank's cache: its own heads
         torch.testing.assert_close(split["logits"], model(PROMPT).logits, atol=1e-4, rtol=0)
@@ -102,3 +109,20 @@ def test_tp_plan_outside_torchrun_says_how_to_start_the_ranks(folders, monkeypat
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(TensorParallelError, match="runs under torchrun"):
         AutoModelForCausalLM.from_pretrained(folders["llama"], dtype=torch.float32, tp_plan="auto")
+
+
+def test_stored_blocks_split_only_on_their_boundaries():
+    import numpy as np
+
+    from kvgen.models.packed import PackedWeight
+    from kvgen.models.quantized_linear import QuantizedLinear
+    from kvgen.tensor_parallel import _columns
+
+    raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32),
+                               gguf.GGMLQuantizationType.Q8_0)
+    layer = QuantizedLinear(PackedWeight([(8, torch.from_numpy(raw))], in_features=64))
+    half = _columns(layer, range(32, 64), bias=False)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(half(x[:, 32:]), x[:, 32:] @ layer.weight.dequantize()[:, 32:].T, atol=1e-4, rtol=1e-4)
+    with pytest.raises(TensorParallelError, match="cannot be split at feature 48"):
+        _columns(layer, range(0, 48), bias=False)

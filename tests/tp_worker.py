@@ -1,5 +1,5 @@
 """One rank of the tensor-parallel tests (tests/test_tensor_parallel.py), started by torchrun: for each model folder
-in argv (``{rank}`` in it replaced by the rank), load it split over the ranks, then write rank 0's logits of a prompt and greedy tokens (dynamic and static
+(or GGUF file) in argv (``{rank}`` in it replaced by the rank), load it split over the ranks, then write rank 0's logits of a prompt and greedy tokens (dynamic and static
 caches) to ``OUT/<folder name>.pt``. ``KVGEN_TEST_DIE_AT``: rank 1 exits at that step of the first decode."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ def main(out: Path, folders: list[str]) -> None:
     torch.set_num_threads(1)
     for folder in folders:
         folder = folder.replace("{rank}", os.environ["RANK"])  # ranks on different models, for the errors' test
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, tp_plan="auto")
+        dtype = None if folder.endswith(".gguf") else torch.float32  # a GGUF's weights in their stored blocks
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, tp_plan="auto")
         die_at = int(os.environ.get("KVGEN_TEST_DIE_AT", "0"))
         if die_at and dist.get_rank() == 1:
             steps = []

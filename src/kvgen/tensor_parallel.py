@@ -36,6 +36,8 @@ from torch import nn
 
 from kvgen.models.decode_blocks import run_blocks_eagerly
 from kvgen.models.linear import Linear
+from kvgen.models.packed import FORMATS, PackedWeight, tile_rows, untile_rows
+from kvgen.models.quantized_linear import QuantizedLinear
 
 #: seconds a collective waits for the other ranks before it raises (``KVGEN_TP_TIMEOUT`` sets it)
 TIMEOUT_S = 300
@@ -104,23 +106,53 @@ def split_heads(heads: int, kv_heads: int, ranks: int, rank: int) -> tuple[range
     return queries, range(queries.start // group, queries.start // group + 1)
 
 
-def _rows(layer: Linear, rows: torch.Tensor) -> Linear:
-    """A new :class:`Linear` of ``layer``'s output rows ``rows`` (and their biases)."""
-    out = Linear(layer.in_features, len(rows), bias=layer.bias is not None, device="meta")
+def _rows(layer: nn.Module, rows: torch.Tensor) -> nn.Module:
+    """A new layer of ``layer``'s output rows ``rows`` (and their biases): float rows, or stored rows (whole rows
+    of blocks, in their formats; tiled again where they were)."""
+    bias = None if layer.bias is None else layer.bias.detach()[rows].contiguous()
+    if isinstance(layer, QuantizedLinear):
+        segments, start = [], 0
+        for format, data in untile_rows(layer.weight).segments:  # (rows, row bytes) each, GGUF order
+            mine = rows[(rows >= start) & (rows < start + data.shape[0])] - start
+            if len(mine):
+                segments.append((format, data[mine].contiguous()))
+            start += data.shape[0]
+        return QuantizedLinear(_retiled(layer, PackedWeight(segments, layer.in_features)), bias)
+    out = Linear(layer.in_features, len(rows), bias=bias is not None, device="meta")
     out.weight = nn.Parameter(layer.weight.detach()[rows].contiguous(), requires_grad=False)  # (rows, in)
-    if layer.bias is not None:
-        out.bias = nn.Parameter(layer.bias.detach()[rows].contiguous(), requires_grad=False)
+    if bias is not None:
+        out.bias = nn.Parameter(bias, requires_grad=False)
     return out
 
 
-def _columns(layer: Linear, columns: torch.Tensor, bias: bool) -> Linear:
-    """A new :class:`Linear` of ``layer``'s input features ``columns``; its bias only where ``bias``."""
-    keep = bias and layer.bias is not None
-    out = Linear(len(columns), layer.out_features, bias=keep, device="meta")
-    out.weight = nn.Parameter(layer.weight.detach()[:, columns].contiguous(), requires_grad=False)  # (out, cols)
-    if keep:
-        out.bias = nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+def _columns(layer: nn.Module, columns: range, bias: bool) -> nn.Module:
+    """A new layer of ``layer``'s input features ``columns`` (a range: stored weights split on block boundaries);
+    its bias only where ``bias``."""
+    kept = layer.bias.detach().clone() if bias and layer.bias is not None else None
+    if isinstance(layer, QuantizedLinear):
+        segments = []
+        for format, data in untile_rows(layer.weight).segments:
+            name, values, nbytes, extra = FORMATS[format]
+            if extra or columns.start % values or columns.stop % values:
+                raise TensorParallelError(f"a {name} weight of {layer.in_features} input features cannot be split "
+                                          f"at feature {columns.start} or {columns.stop} (blocks of {values}"
+                                          f"{', a scale per row' if extra else ''}): use fewer ranks or dtype="
+                                          "torch.float32")
+            cut = slice(columns.start // values * nbytes, columns.stop // values * nbytes)
+            segments.append((format, data[:, cut].contiguous()))  # (rows, bytes of the columns' blocks)
+        return QuantizedLinear(_retiled(layer, PackedWeight(segments, len(columns))), kept)
+    out = Linear(len(columns), layer.out_features, bias=kept is not None, device="meta")
+    out.weight = nn.Parameter(layer.weight.detach()[:, columns.start:columns.stop].contiguous(),
+                              requires_grad=False)  # (out, columns)
+    if kept is not None:
+        out.bias = nn.Parameter(kept, requires_grad=False)
     return out
+
+
+def _retiled(layer: QuantizedLinear, weight: PackedWeight) -> PackedWeight:
+    """``weight`` in tiles of 16 rows where ``layer``'s weight was (on the CPU)."""
+    tiled = any(format >= 2000 for format in layer.formats) and weight.segments[0][1].device.type == "cpu"
+    return tile_rows(weight) if tiled else weight
 
 
 def _heads(head_range: range, head_dim: int, offset: int = 0) -> torch.Tensor:
@@ -135,16 +167,18 @@ def _check_splittable(model: nn.Module) -> None:
         raise TensorParallelError(f"kvgen splits the Llama family and Gemma over ranks, not "
                                   f"{type(model).__name__}")
     for name, module in model.named_modules():
-        if name.startswith("model.layers.") and isinstance(module, nn.Linear) and type(module) is not Linear:
+        if (name.startswith("model.layers.") and name.endswith("_proj")
+                and type(module) not in (Linear, QuantizedLinear)):
             raise TensorParallelError(f"{name} holds {type(module).__name__} weights; tp_plan splits float "
-                                      "weights: load with dtype=torch.float32 (or bfloat16)")
+                                      "weights and GGUF blocks: load with dtype=torch.float32")
 
 
 def _agree(model: nn.Module, group) -> None:
     """Raise on every rank unless every rank loaded the same model (its config and a digest of its weights)."""
     digest = hashlib.sha256(repr(sorted(model.config.to_dict().items())).encode())
-    for tensor in (model.model.embed_tokens.weight, model.model.layers[-1].mlp.down_proj.weight):
-        digest.update(tensor.detach().float().sum(dim=-1).cpu().numpy().tobytes())
+    for tensor in [*model.model.embed_tokens.state_dict().values(), *model.model.layers[-1].state_dict().values()]:
+        flat = tensor.detach().reshape(-1)
+        digest.update(flat[::max(1, flat.numel() // 4096)].cpu().numpy().tobytes())  # ~4k values of each
     digests = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, digest.hexdigest(), group=group)
     if len(set(digests)) > 1:
@@ -172,10 +206,11 @@ def shard_model(model: nn.Module, group=None) -> nn.Module:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = _rows(attn.qkv_proj, qkv_rows)
-        attn.o_proj = AllReduced(_columns(attn.o_proj, _heads(queries, head_dim), bias=rank == 0), group)
+        attn.o_proj = AllReduced(_columns(attn.o_proj, range(queries.start * head_dim, queries.stop * head_dim),
+                                          bias=rank == 0), group)
         attn.num_heads, attn.num_kv_heads = len(queries), len(keys)
         mlp.gate_up_proj = _rows(mlp.gate_up_proj, torch.cat([share, share + inner]))
-        mlp.down_proj = AllReduced(_columns(mlp.down_proj, share, bias=rank == 0), group)
+        mlp.down_proj = AllReduced(_columns(mlp.down_proj, range(share[0], share[-1] + 1), bias=rank == 0), group)
     local = copy.copy(config)
     local.__dict__.update(num_attention_heads=len(queries), num_key_value_heads=len(keys), head_dim=head_dim,
                           intermediate_size=inner // ranks, tp_size=ranks, tp_rank=rank)
