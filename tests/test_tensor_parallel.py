@@ -114,10 +114,12 @@ def test_tp_plan_outside_torchrun_says_how_to_start_the_ranks(folders, monkeypat
 def test_stored_blocks_split_only_on_their_boundaries():
     import numpy as np
 
+    from kvgen.kernels import kernels_available
     from kvgen.models.packed import PackedWeight
     from kvgen.models.quantized_linear import QuantizedLinear
     from kvgen.tensor_parallel import _columns
 
+    assert kernels_available()  # (loads the products' ops)
     raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32),
                                gguf.GGMLQuantizationType.Q8_0)
     layer = QuantizedLinear(PackedWeight([(8, torch.from_numpy(raw))], in_features=64))
