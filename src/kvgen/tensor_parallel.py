@@ -133,11 +133,11 @@ def _columns(layer: nn.Module, columns: range, bias: bool) -> nn.Module:
         segments = []
         for format, data in untile_rows(layer.weight).segments:
             name, values, nbytes, extra = FORMATS[format]
-            if extra or columns.start % values or columns.stop % values:
+            cuts = [c for c in (columns.start, columns.stop) if c % values]
+            if extra or cuts:
+                where = f"at feature {cuts[0]} (blocks of {values})" if cuts else "by columns (a scale per row)"
                 raise TensorParallelError(f"a {name} weight of {layer.in_features} input features cannot be split "
-                                          f"at feature {columns.start} or {columns.stop} (blocks of {values}"
-                                          f"{', a scale per row' if extra else ''}): use fewer ranks or dtype="
-                                          "torch.float32")
+                                          f"{where}: use fewer ranks or dtype=torch.float32")
             cut = slice(columns.start // values * nbytes, columns.stop // values * nbytes)
             segments.append((format, data[:, cut].contiguous()))  # (rows, bytes of the columns' blocks)
         return QuantizedLinear(_retiled(layer, PackedWeight(segments, len(columns))), kept)
