@@ -473,6 +473,7 @@ def test_repeat_penalty_applies_to_greedy_runs_too(smollm_gguf, capsys):
     *([] if torch.cuda.is_available() else [(["generate", "--device", "cuda"], "no CUDA GPU is available here"),
                                             (["serve", "--device", "cuda"], "no CUDA GPU is available here")]),
     (["generate", "--cache", "quantized", "--cache-config", "nbits=3"], "nbits"),
+    (["generate", "--tp", "2", "--prompt-cache", "/nonexistent/cache"], "--prompt-cache keeps one process's cache"),
     (["generate", "--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json: not a "),
     (["chat", "--load", "/nonexistent/chat.safetensors"], "is missing; --load takes a file written by --save"),
 ])

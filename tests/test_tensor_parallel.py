@@ -128,3 +128,37 @@ def test_stored_blocks_split_only_on_their_boundaries():
     torch.testing.assert_close(half(x[:, 32:]), x[:, 32:] @ layer.weight.dequantize()[:, 32:].T, atol=1e-4, rtol=1e-4)
     with pytest.raises(TensorParallelError, match="cannot be split at feature 48"):
         _columns(layer, range(0, 48), bias=False)
+
+
+def test_kvgen_generate_tp_starts_the_ranks_and_prints_the_single_process_text(tmp_path, capfd, monkeypatch):
+    """``kvgen generate --tp 2`` on a small random Llama with SmolLM2's tokenizer: rank 0 prints what one process
+    prints, and its stats show its cache holding half the heads."""
+    import shutil
+
+    from kvgen.cli import main
+    from kvgen.loading.default_model import default_model_dir
+
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")  # the single process as the ranks run: eager blocks
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{**SMALL, "vocab_size": 49152}, num_attention_heads=4, num_key_value_heads=2, bos_token_id=1,
+        eos_token_id=2)).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, tmp_path / name)
+    outputs = []
+    for tp in ([], ["--tp", "2"]):
+        assert main(["generate", *tp, "-m", str(tmp_path), "-n", "8", "-p", "The sea"]) == 0
+        text, stats = capfd.readouterr().out.rstrip("\n").rsplit("\n", 1)
+        outputs.append((text, int(stats.rsplit("cache_bytes=", 1)[1])))
+    (single, single_bytes), (split, split_bytes) = outputs
+    assert split == single and single.startswith("The sea")
+    assert split_bytes == single_bytes // 2
+
+
+def test_the_mlp_splits_as_evenly_as_the_stored_blocks_allow():
+    from kvgen.tensor_parallel import split_features
+
+    assert split_features(4864, 2, 256) == [range(0, 2560), range(2560, 4864)]  # Qwen2.5-0.5B's Q6_K ffn_down
+    assert split_features(96, 2) == [range(0, 48), range(48, 96)]
+    with pytest.raises(TensorParallelError, match="use at most 2 ranks"):
+        split_features(512, 3, 256)

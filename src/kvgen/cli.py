@@ -24,12 +24,12 @@ DEFAULT_PROMPT = "Once upon a time, there was a little"
 
 
 def load(model: str | None, dtype: str | None, quantize: str | None = None, group_size: int = 32,
-         device: str | None = None):
+         device: str | None = None, tp_plan: str | None = None):
     """Model and tokenizer from a folder, hub id or .gguf file; the packaged default GGUF when None.
 
     ``dtype`` None keeps a GGUF's weights in their stored types (float checkpoints load in
     float32); ``quantize`` ("int8" / "int4") quantizes linear layers at load; ``device``: where
-    the model runs (``device_map``; None: the CPU).
+    the model runs (``device_map``; None: the CPU); ``tp_plan="auto"`` splits it over torchrun's ranks.
     """
     from kvgen import AutoModelForCausalLM, TorchAoConfig
     from kvgen.tokenizer import AutoTokenizer
@@ -42,7 +42,7 @@ def load(model: str | None, dtype: str | None, quantize: str | None = None, grou
         raise FileNotFoundError(f"model path {model} does not exist")
     quantization = None if quantize is None else TorchAoConfig(f"{quantize}_weight_only", group_size=group_size)
     return (AutoModelForCausalLM.from_pretrained(model, dtype=dtype, quantization_config=quantization,
-                                                 device_map=device),
+                                                 device_map=device, tp_plan=tp_plan),
             AutoTokenizer.from_pretrained(model))
 
 
@@ -131,14 +131,40 @@ def _set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+def launch_ranks(ranks: int, argv: list[str], threads: int | None) -> int:
+    """Run ``kvgen *argv`` as ``ranks`` processes under torchrun (this machine, a free port), the CPU's threads
+    shared among them; returns the exit status of the first that failed, or 0."""
+    import subprocess
+
+    per_rank = max(1, (threads or os.cpu_count() or 1) // ranks)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+               "--module", "kvgen.cli", *argv]
+    return subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": str(per_rank)}).returncode
+
+
+def _tensor_parallel(args) -> tuple[str | None, bool]:
+    """(``tp_plan`` for the load, whether this process prints) of ``--tp``, under torchrun."""
+    if not args.tp or args.tp == 1:
+        return None, True
+    world = int(os.environ["WORLD_SIZE"])
+    if world != args.tp:
+        raise ValueError(f"--tp {args.tp} runs under torchrun with {world} processes; let kvgen start them")
+    return "auto", os.environ.get("RANK") == "0"
+
+
 def cmd_generate(args) -> int:
     given = [p for p in (args.prompt, args.prompt_option, args.file) if p is not None]
     if len(given) > 1:
         raise ValueError("give the prompt once: as the argument, with -p/--prompt or with -f/--file")
+    if args.tp and args.tp > 1 and args.prompt_cache:
+        raise ValueError("--prompt-cache keeps one process's cache; with --tp each rank holds a part of it")
+    if args.tp and args.tp > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks
+        return launch_ranks(args.tp, args.argv, args.threads)
     prompt = Path(args.file).read_text(encoding="utf-8") if args.file is not None else \
         given[0] if given else DEFAULT_PROMPT
-    _set_threads(args.threads)
-    model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size, args.device)
+    tp_plan, prints = _tensor_parallel(args)
+    _set_threads(None if tp_plan else args.threads)  # (each rank: OMP_NUM_THREADS, its share of the threads)
+    model, tokenizer = load(args.model, args.dtype, args.quantize, args.group_size, args.device, tp_plan)
     if args.chat or args.system_prompt is not None:
         messages = [{"role": "user", "content": prompt}]
         if args.system_prompt is not None:
@@ -156,8 +182,10 @@ def cmd_generate(args) -> int:
                                            args.device)[0]
     if args.early_exit:
         drafting["assistant_early_exit"] = args.early_exit
-    print(prompt, end="", flush=True)  # then the continuation, token by token
-    clock = TokenTimer(_text_streamer(tokenizer))  # (time to first token includes loading a prompt cache)
+    if prints:
+        print(prompt, end="", flush=True)  # then the continuation, token by token
+    clock = TokenTimer(_text_streamer(tokenizer) if prints else None)  # (its time to first token includes loading
+    # a prompt cache)
     prompt_cache = Path(args.prompt_cache) if args.prompt_cache else None
     reused = 0
     if prompt_cache is not None and prompt_cache.exists():
@@ -174,7 +202,8 @@ def cmd_generate(args) -> int:
     out = model.generate(**inputs.to(model.device), past_key_values=cache, max_new_tokens=args.max_new_tokens,
                          streamer=clock, return_dict_in_generate=True, **sampling, **drafting, **stops, **structured)
     new = out.sequences[0, prompt_tokens:]
-    print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock, out.speculation, seed))
+    if prints:
+        print(_stats_line(model, cache, prompt_tokens, new.shape[0], clock, out.speculation, seed))
     if prompt_cache is not None:
         saved = not prompt_cache.exists()
         if saved:  # first use: keep the prompt's keys and values (not the reply's) for later runs
@@ -331,6 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-s", "--seed", type=int, metavar="N", help="seed of the sampling (default: a fresh one, printed)")
     g.add_argument("--stop", action="append", metavar="TEXT",
                    help="stop once the text holds TEXT (kept in the output); repeat for several")
+    g.add_argument("--tp", type=_positive_int, metavar="N",
+                   help="split the model over N processes of this machine (tensor parallelism, torch.distributed)")
     g.add_argument("--json-schema", metavar="FILE",
                    help="hold the reply to JSON valid against the JSON schema in FILE (llguidance's grammar)")
     g.add_argument("--lookup", type=_positive_int, metavar="N",
@@ -461,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run a ``kvgen`` command; an error prints one line ``kvgen: error: ...`` and exits non-zero
     (``--verbose``: the traceback too)."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # (for the ranks that --tp starts)
     try:
         return args.func(args)
     except KeyboardInterrupt:
