@@ -8,7 +8,8 @@
 * ``o_proj`` and ``down_proj`` are split by their input features (row-parallel): each rank's partial products are
   summed by one all-reduce after attention and one after the MLP (:class:`AllReduced`); their biases are added
   once, on rank 0;
-* embeddings, norms and ``lm_head`` are replicated: every rank computes the same logits.
+* ``lm_head`` is split by rows of the vocabulary, and one all-gather joins the logits (:class:`Gathered`): every
+  rank holds the same logits; embeddings and norms are replicated.
 
 The model's config then describes one rank's layers (``num_attention_heads``, ``num_key_value_heads``,
 ``intermediate_size``), so that every cache, sized from the config, holds one rank's heads and knows nothing of
@@ -71,6 +72,25 @@ class AllReduced(nn.Module):
         return y
 
 
+class Gathered(nn.Module):
+    """A column-parallel output head: the wrapped layer computes this rank's rows of the vocabulary (``rows`` of
+    each rank's, padded to the largest), one all-gather puts every rank's logits side by side. Example:
+    ``Gathered(Linear(512, 16000), group, [16000, 16000])``."""
+
+    def __init__(self, inner: nn.Module, group, rows: list[int]):
+        super().__init__()
+        self.inner, self.group, self.rows = inner, group, rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)  # (..., this rank's rows)
+        pad = max(self.rows) - y.shape[-1]
+        if pad:
+            y = nn.functional.pad(y, (0, pad))
+        parts = [torch.empty_like(y) for _ in self.rows]
+        dist.all_gather(parts, y.contiguous(), group=self.group)
+        return torch.cat([p[..., :n] for p, n in zip(parts, self.rows)], dim=-1)  # (..., V)
+
+
 def process_group():
     """The default process group, joined from torchrun's environment if this process has not joined one yet:
     gloo on CPUs, NCCL where CUDA is available, every collective bounded by :data:`TIMEOUT_S`."""
@@ -108,16 +128,15 @@ def split_heads(heads: int, kv_heads: int, ranks: int, rank: int) -> tuple[range
 
 
 def split_features(features: int, ranks: int, blocks: int = 1) -> list[range]:
-    """The MLP's ``features`` split over ``ranks``: as evenly as whole ``blocks`` allow (a stored weight's blocks of
-    input features: Qwen2.5-0.5B's 4,864 in Q6_K blocks of 256 split 2,560 + 2,304 over 2 ranks).
+    """``features`` split over ``ranks`` as evenly as cuts on ``blocks`` boundaries allow: the MLP's on its stored
+    blocks (Qwen2.5-0.5B's 4,864 in Q6_K blocks of 256 split 2,560 + 2,304 over 2 ranks), the vocabulary on tiles
+    of 16 rows.
 
     Example:
         >>> split_features(4864, 2, 256)
         [range(0, 2560), range(2560, 4864)]
     """
-    if features % blocks:
-        raise TensorParallelError(f"{features} features are not whole blocks of {blocks}")
-    cuts = [round(features / blocks * r / ranks) * blocks for r in range(ranks + 1)]
+    cuts = [0, *(round(features / blocks * r / ranks) * blocks for r in range(1, ranks)), features]
     if any(a == b for a, b in zip(cuts, cuts[1:])):
         raise TensorParallelError(f"{features} features in blocks of {blocks} do not split over {ranks} ranks: use "
                                   f"at most {features // blocks} ranks")
@@ -230,6 +249,9 @@ def shard_model(model: nn.Module, group=None) -> nn.Module:
         attn.num_heads, attn.num_kv_heads = len(queries), len(keys)
         mlp.gate_up_proj = _rows(mlp.gate_up_proj, torch.cat([share, share + inner]))
         mlp.down_proj = AllReduced(_columns(mlp.down_proj, columns, bias=rank == 0), group)
+    vocab = split_features(model.lm_head.out_features, ranks, 16)  # whole tiles of 16 rows
+    model.lm_head = Gathered(_rows(model.lm_head, torch.arange(vocab[rank].start, vocab[rank].stop)), group,
+                             [len(r) for r in vocab])
     local = copy.copy(config)
     local.__dict__.update(num_attention_heads=len(queries), num_key_value_heads=len(keys), head_dim=head_dim,
                           intermediate_size=len(columns), tp_size=ranks, tp_rank=rank)
