@@ -164,8 +164,8 @@ def main() -> None:
             row[key.replace("_tok_s", "_ratio")] = two / one
         rows.append(row)
         comm = sides["2 ranks x 1 thread"][-1]
-        print(f"{name} ({comm['weight_format']}): prefill {row['prefill_ratio']:.2f}x, decode {row['decode_ratio']:.2f}x "
-              f"with 2 ranks; communication {comm['prefill_comm_share']:.0%} of prefill, "
+        print(f"{name} ({comm['weight_format']}): prefill {row['prefill_ratio']:.2f}x, "
+              f"decode {row['decode_ratio']:.2f}x with 2 ranks; communication {comm['prefill_comm_share']:.0%} of prefill, "
               f"{comm['decode_comm_share']:.0%} of decode", flush=True)
     out = {"cpu": _cpu(), "cpu_flags": _cpu_flags(), "load_before": load_before, "load_after": os.getloadavg()[0],
            "date": time.strftime("%Y-%m-%d %H:%M"), "prompt": args.prompt, "new": args.new, "rows": rows}

@@ -1,7 +1,8 @@
 """Tensor parallelism with gloo and 2 processes (torchrun) on this CPU: logits within 1e-4 of the single process
-and the same greedy tokens, for Llama, Qwen2 (biases; one key/value head, replicated on both ranks), Gemma 3
-(sliding layers, per-head norms) and a GGUF in its stored blocks; each rank's cache holds its own heads. Bad setups fail on every rank with a clear
-error, and a rank that dies makes the run fail instead of hang."""
+and the same greedy tokens (``generate()`` and the batching engine), for Llama, Qwen2 (biases; one key/value head,
+replicated on both ranks), Gemma 3 (sliding layers, per-head norms) and a GGUF in its stored blocks; each rank's
+cache holds its own heads. ``kvgen generate --tp`` and ``kvgen serve --tp`` start the ranks themselves. Bad setups
+fail on every rank with a clear error, and a rank that dies makes the run fail instead of hang."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from test_loading import CFG, _random_llama_state, _write_llama_gguf
 
 from kvgen import AutoModelForCausalLM
 from kvgen.models.decode_blocks import eager_blocks
+from tp_worker import BATCH
 from kvgen.tensor_parallel import TensorParallelError, split_heads
 
 HERE = Path(__file__).parent
@@ -57,7 +59,7 @@ def torchrun(out: Path, *folders: str, env: dict | None = None, timeout: float =
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def test_two_ranks_give_the_single_process_logits_and_tokens(folders, tmp_path):
+def test_two_ranks_give_the_single_process_logits_and_tokens_in_generate_and_the_engine(folders, tmp_path):
     run = torchrun(tmp_path, *folders.values())
     assert run.returncode == 0, run.stderr[-3000:]
     for name, folder in folders.items():
@@ -70,6 +72,8 @@ def test_two_ranks_give_the_single_process_logits_and_tokens(folders, tmp_path):
             with eager_blocks():  # as the ranks run them
                 expected = model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation=cache)
             assert split[cache].tolist() == expected.tolist(), (name, cache)
+        batch = model.generate_batch(BATCH, max_new_tokens=10, do_sample=False, eos_token_id=[])
+        assert split["batch"] == {rid: out.generated_tokens for rid, out in batch.items()}, name
 
 
 def test_ranks_on_different_models_fail_with_a_clear_error(folders, tmp_path):
@@ -130,29 +134,44 @@ def test_stored_blocks_split_only_on_their_boundaries():
         _columns(layer, range(0, 48), bias=False)
 
 
-def test_kvgen_generate_tp_starts_the_ranks_and_prints_the_single_process_text(tmp_path, capfd, monkeypatch):
-    """``kvgen generate --tp 2`` on a small random Llama with SmolLM2's tokenizer: rank 0 prints what one process
-    prints, and its stats show its cache holding half the heads."""
+@pytest.fixture(scope="module")
+def with_tokenizer(tmp_path_factory):
+    """A small random Llama with SmolLM2's tokenizer (its vocabulary's size): what the command line needs."""
     import shutil
 
-    from kvgen.cli import main
     from kvgen.loading.default_model import default_model_dir
 
-    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")  # the single process as the ranks run: eager blocks
+    folder = tmp_path_factory.mktemp("tp-tokenizer")
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
         **{**SMALL, "vocab_size": 49152}, num_attention_heads=4, num_key_value_heads=2, bos_token_id=1,
-        eos_token_id=2)).save_pretrained(tmp_path)
+        eos_token_id=2)).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(default_model_dir() / name, tmp_path / name)
+        shutil.copy(default_model_dir() / name, folder / name)
+    return folder
+
+
+def test_kvgen_generate_tp_starts_the_ranks_and_prints_the_single_process_text(with_tokenizer, capfd, monkeypatch):
+    """``kvgen generate --tp 2``: rank 0 prints what one process prints, and its stats show its cache holding
+    half the heads."""
+    from kvgen.cli import main
+
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")  # the single process as the ranks run: eager blocks
     outputs = []
     for tp in ([], ["--tp", "2"]):
-        assert main(["generate", *tp, "-m", str(tmp_path), "-n", "8", "-p", "The sea"]) == 0
+        assert main(["generate", *tp, "-m", str(with_tokenizer), "-n", "8", "-p", "The sea"]) == 0
         text, stats = capfd.readouterr().out.rstrip("\n").rsplit("\n", 1)
         outputs.append((text, int(stats.rsplit("cache_bytes=", 1)[1])))
     (single, single_bytes), (split, split_bytes) = outputs
     assert split == single and single.startswith("The sea")
     assert split_bytes == single_bytes // 2
+    # sampled without --seed: kvgen gives every rank one seed (else they would draw different tokens), printed
+    assert main(["generate", "--tp", "2", "-m", str(with_tokenizer), "-n", "8", "-p", "The sea", "--temp", "0.9"]) == 0
+    text, stats = capfd.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    seed = stats.rsplit(" seed=", 1)[1].split()[0]
+    assert main(["generate", "-m", str(with_tokenizer), "-n", "8", "-p", "The sea", "--temp", "0.9",
+                 "--seed", seed]) == 0
+    assert capfd.readouterr().out.rstrip("\n").rsplit("\n", 1)[0] == text
 
 
 def test_the_mlp_splits_as_evenly_as_the_stored_blocks_allow():
@@ -162,3 +181,36 @@ def test_the_mlp_splits_as_evenly_as_the_stored_blocks_allow():
     assert split_features(96, 2) == [range(0, 48), range(48, 96)]
     with pytest.raises(TensorParallelError, match="use at most 2 ranks"):
         split_features(512, 3, 256)
+
+
+def test_kvgen_serve_tp_answers_as_one_process_and_stops_every_rank(with_tokenizer, monkeypatch):
+    """``kvgen serve --tp 2``: rank 0 serves HTTP and plans each step, rank 1 runs them; concurrent greedy
+    completions are the single process's; SIGTERM stops every rank."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_server import Server
+
+    from kvgen import AutoTokenizer
+
+    monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")
+    model = AutoModelForCausalLM.from_pretrained(with_tokenizer, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(with_tokenizer)
+    prompts = ["The sea", "Once upon a time", "1, 2, 3,"]
+    expected = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, disable_compile=True)
+        expected.append(tokenizer.decode(out[0, ids.shape[1]:]))
+    server = Server(with_tokenizer, "--tp", "2")
+    try:
+        client = server.client()
+        with ThreadPoolExecutor(3) as pool:
+            replies = list(pool.map(lambda p: client.completions.create(
+                model="tiny", prompt=p, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}), prompts))
+        assert [r.choices[0].text for r in replies] == expected
+    finally:
+        server.process.terminate()
+        server.process.wait(timeout=120)
+        server.log.close()
+    left = subprocess.run(["pgrep", "-f", f"--port {server.port}"], capture_output=True, text=True).stdout.split()
+    assert not left, f"ranks still running: {left}"

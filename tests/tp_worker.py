@@ -1,6 +1,8 @@
 """One rank of the tensor-parallel tests (tests/test_tensor_parallel.py), started by torchrun: for each model folder
-(or GGUF file) in argv (``{rank}`` in it replaced by the rank), load it split over the ranks, then write rank 0's logits of a prompt and greedy tokens (dynamic and static
-caches) to ``OUT/<folder name>.pt``. ``KVGEN_TEST_DIE_AT``: rank 1 exits at that step of the first decode."""
+(or GGUF file) in argv (``{rank}`` in it replaced by the rank), load it split over the ranks, then write rank 0's
+logits of a prompt, its greedy tokens (dynamic and static caches) and ``generate_batch``'s (the engine: rank 0
+plans, every rank returns its outputs) to ``OUT/<file name>.pt``. ``KVGEN_TEST_DIE_AT``: rank 1 exits at that step
+of the first decode."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.distributed as dist
 from kvgen import AutoModelForCausalLM
 
 PROMPT = torch.tensor([[1, 5, 9, 13, 7, 3, 22, 40, 2, 17, 30, 11]])
+BATCH = [[1, 5, 9, 13, 7], [3, 22, 40, 2, 17, 30, 11, 8, 9, 10, 12, 14, 15, 16, 18, 19, 20], [4, 4, 4]]
 
 
 def main(out: Path, folders: list[str]) -> None:
@@ -30,7 +33,9 @@ def main(out: Path, folders: list[str]) -> None:
         result = {"logits": model(PROMPT).logits,
                   "dynamic": model.generate(PROMPT, max_new_tokens=12, do_sample=False),
                   "static": model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation="static"),
-                  "heads": (model.config.num_attention_heads, model.config.num_key_value_heads)}
+                  "heads": (model.config.num_attention_heads, model.config.num_key_value_heads),
+                  "batch": {rid: out.generated_tokens for rid, out in model.generate_batch(
+                      BATCH, max_new_tokens=10, do_sample=False, eos_token_id=[]).items()}}
         if dist.get_rank() == 0:
             torch.save(result, out / f"{Path(folder).name}.pt")
     dist.destroy_process_group()

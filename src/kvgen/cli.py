@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -133,13 +134,22 @@ def _set_threads(threads: int | None) -> None:
 
 def launch_ranks(ranks: int, argv: list[str], threads: int | None) -> int:
     """Run ``kvgen *argv`` as ``ranks`` processes under torchrun (this machine, a free port), the CPU's threads
-    shared among them; returns the exit status of the first that failed, or 0."""
+    shared among them; SIGTERM is passed on to them. Returns torchrun's exit status (not 0 if a rank failed)."""
+    import signal
     import subprocess
 
     per_rank = max(1, (threads or os.cpu_count() or 1) // ranks)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "--module", "kvgen.cli", *argv]
-    return subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": str(per_rank)}).returncode
+    ranks_process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": str(per_rank)})
+    before = signal.signal(signal.SIGTERM, lambda *_: ranks_process.send_signal(signal.SIGTERM))  # (a drain)
+    try:
+        return ranks_process.wait()
+    except KeyboardInterrupt:
+        ranks_process.send_signal(signal.SIGINT)
+        return ranks_process.wait()
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _tensor_parallel(args) -> tuple[str | None, bool]:
@@ -159,7 +169,8 @@ def cmd_generate(args) -> int:
     if args.tp and args.tp > 1 and args.prompt_cache:
         raise ValueError("--prompt-cache keeps one process's cache; with --tp each rank holds a part of it")
     if args.tp and args.tp > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks
-        return launch_ranks(args.tp, args.argv, args.threads)
+        seed = [] if args.seed is not None else ["--seed", str(random.randrange(2**31))]  # every rank draws alike
+        return launch_ranks(args.tp, [*args.argv, *seed], args.threads)
     prompt = Path(args.file).read_text(encoding="utf-8") if args.file is not None else \
         given[0] if given else DEFAULT_PROMPT
     tp_plan, prints = _tensor_parallel(args)
@@ -297,13 +308,28 @@ def cmd_serve(args) -> int:
         raise ModuleNotFoundError(f"kvgen serve needs {error.name}: pip install 'kvgen[serve]'") from None
     from kvgen.serving import ContinuousBatchingConfig
 
+    if args.tp and args.tp > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks
+        return launch_ranks(args.tp, args.argv, args.threads)
+    tp_plan, front = _tensor_parallel(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look
-    _set_threads(args.threads)
-    model, tokenizer = load(args.model, args.dtype, device=args.device)
+    _set_threads(None if tp_plan else args.threads)
+    model, tokenizer = load(args.model, args.dtype, device=args.device, tp_plan=tp_plan)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                                       max_memory=args.kv_cache_memory, max_queue=args.max_queue,
                                       kv_store=args.kv_store, kv_store_retry=args.kv_store_retry)
+    if not front:  # a rank of a split model: rank 0 serves HTTP and plans, this one runs its steps until it stops
+        import signal
+
+        from kvgen.serving import ContinuousBatchingManager
+
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (rank 0 drains its requests first, then releases it)
+        manager = ContinuousBatchingManager(model, config=engine, tokenizer=tokenizer)
+        manager.start()
+        manager.stop()
+        if manager.error is not None:
+            raise RuntimeError(f"rank {os.environ['RANK']}'s steps failed: {manager.error}")
+        return 0
     app = create_app(model, tokenizer, name, engine_config=engine, api_key=args.api_key)
     serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     return 0
@@ -428,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after Redis failed, seconds before trying it again (meanwhile prefixes are cached locally)")
     s.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let running requests finish before cancelling them")
+    s.add_argument("--tp", type=_positive_int, metavar="N",
+                   help="split the model over N processes of this machine; rank 0 serves HTTP (tensor parallelism)")
     s.add_argument("--verbose", action="store_true", help="show a traceback on errors")
     s.set_defaults(func=cmd_serve)
     return parser

@@ -103,6 +103,13 @@ def process_group():
     return dist.group.WORLD
 
 
+def broadcast_object(value=None):
+    """Rank 0's ``value`` on every rank of the default group (a step's plan for the engine's other ranks)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def split_heads(heads: int, kv_heads: int, ranks: int, rank: int) -> tuple[range, range]:
     """The query heads and key/value heads that ``rank`` of ``ranks`` holds. Query heads are split evenly; each
     rank holds the key/value heads its queries read (replicated where there are fewer of them than ranks).

@@ -31,9 +31,10 @@ from kvgen.generation.config import GenerationConfig
 from kvgen.models.linear import pack_weights
 from kvgen.serving.blocks import BlockPool
 from kvgen.grammar import Grammars
-from kvgen.serving.runner import ModelRunner
+from kvgen.serving.runner import IDLE, ModelRunner
 from kvgen.serving.scheduler import RequestStatus, SamplingParams, Scheduler, Sequence
 from kvgen.serving.store import open_store
+from kvgen.tensor_parallel import broadcast_object
 
 
 def release_openmp_threads() -> None:
@@ -140,6 +141,10 @@ class ContinuousBatchingManager:
                       for kind in self.cache.kinds}
         if self.config.kv_store and not self.config.prefix_caching:
             raise ValueError("kv_store shares prefix blocks: it needs prefix_caching=True")
+        # a model split over ranks (kvgen.tensor_parallel): rank 0 schedules and samples, the others run its steps
+        self.rank, self.ranks = model.config.get("tp_rank", 0), model.config.get("tp_size", 1)
+        if self.ranks > 1 and self.config.kv_store:
+            raise ValueError("kv_store shares one process's blocks; a model split over ranks holds a part of each")
         self.store = None if not self.config.kv_store else open_store(self.config.kv_store, model, self.cache,
                                                                       self.config.kv_store_retry)
         self.scheduler = Scheduler(self.pools, self.config.max_num_seqs, self.config.max_batch_tokens,
@@ -164,14 +169,16 @@ class ContinuousBatchingManager:
         if self.config.pack_weights:
             pack_weights(self.model)
         release_openmp_threads()  # after any torch work of this thread (packing runs OpenMP regions)
-        self._thread = threading.Thread(target=self._loop, name="kvgen-continuous-batching", daemon=True)
+        self._thread = threading.Thread(target=self._loop if self.rank == 0 else self._follow,
+                                        name="kvgen-continuous-batching", daemon=True)
         self._thread.start()
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
-        """Stop the loop (requests still running are cancelled)."""
+        """Stop the loop (requests still running are cancelled). On a rank other than 0 of a split model: wait
+        until rank 0's loop stops."""
         self._stopping = True
         self._wake.set()
         if block and self._thread is not None:
@@ -210,6 +217,8 @@ class ContinuousBatchingManager:
         Raises ``ValueError`` for a request that can never run (empty, longer than the context or
         than the whole cache) and :class:`QueueFull` when the waiting queue is at ``max_queue``.
         """
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} runs the steps that rank 0 plans: add requests on rank 0")
         g = self.generation_config
         params = SamplingParams(
             max_new_tokens=max_new_tokens if max_new_tokens is not None else (g.max_new_tokens or 20),
@@ -359,14 +368,26 @@ class ContinuousBatchingManager:
             raise ValueError(f"temperature must be > 0 when sampling, got {params.temperature}")
         return prompt
 
+    def _follow(self) -> None:
+        try:
+            self.runner.follow()
+        except BaseException as error:
+            self.error = error
+            traceback.print_exc()
+
     def _loop(self) -> None:
+        told = time.monotonic()
         try:
             while not self._stopping:
                 self._take_incoming()
                 if not self.scheduler.has_work():
                     self._wake.wait(0.05)
                     self._wake.clear()
+                    if self.ranks > 1 and time.monotonic() - told > 5:  # the other ranks wait with a timeout
+                        self.runner.tell_followers(IDLE)
+                        told = time.monotonic()
                     continue
+                told = time.monotonic()  # (each step's plan reaches the other ranks)
                 batch = self.scheduler.schedule()
                 if not batch and self.scheduler.waits_for_store():  # nothing else to do meanwhile
                     self._wake.wait(0.002)
@@ -391,6 +412,11 @@ class ContinuousBatchingManager:
             traceback.print_exc()
             for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._end(seq, RequestStatus.FAILED, error=repr(error))
+        finally:
+            try:
+                self.runner.tell_followers(None)  # stopped
+            except Exception:  # (a rank died: the others' collectives fail too)
+                pass
 
     def _take_incoming(self) -> None:
         while True:
@@ -483,9 +509,15 @@ def generate_batch(model, inputs: list[list[int]], generation_config: Generation
     if not inputs:
         return {}
     manager = ContinuousBatchingManager(model, generation_config, continuous_batching_config, tokenizer)
-    with manager:
-        ids = manager.add_requests(inputs, **settings)
-        n = manager.generation_config.num_return_sequences if settings.get("num_return_sequences") is None \
-            else settings["num_return_sequences"]
-        expected = [rid for request in ids for rid in [request] + [f"{request}__child#{i}" for i in range((n or 1) - 1)]]
-        return {rid: manager.get_result(rid) for rid in expected}
+    results = None
+    with manager:  # (on the other ranks of a split model: until rank 0 is done)
+        if manager.rank == 0:
+            ids = manager.add_requests(inputs, **settings)
+            n = manager.generation_config.num_return_sequences if settings.get("num_return_sequences") is None \
+                else settings["num_return_sequences"]
+            expected = [rid for request in ids for rid in [request] + [f"{request}__child#{i}"
+                                                                       for i in range((n or 1) - 1)]]
+            results = {rid: manager.get_result(rid) for rid in expected}
+    if manager.error is not None and manager.rank != 0:
+        raise RuntimeError(f"rank {manager.rank}'s steps failed") from manager.error
+    return results if manager.ranks == 1 else broadcast_object(results)  # every rank returns rank 0's

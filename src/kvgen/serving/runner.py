@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kvgen.cache.paged import PagedAttentionCache
@@ -21,6 +23,20 @@ from kvgen.generation.logits import min_p, temperature, top_k, top_p
 from kvgen.models.decode_blocks import eager_blocks
 from kvgen.grammar import Grammars, Masks, mask_refused_
 from kvgen.serving.scheduler import SamplingParams, Sequence
+from kvgen.tensor_parallel import broadcast_object
+
+
+IDLE = "idle"  # what rank 0 sends the other ranks of a split model while it has nothing to run
+
+
+class Plan(NamedTuple):
+    """One forward pass over a ragged batch: the token ids side by side, each sequence's ``(start, end, tables)``
+    (its positions fed, its block table of each attention kind) and the rows whose logits are kept. Plain data:
+    rank 0 sends it to the other ranks of a split model."""
+
+    ids: list[int]
+    spans: list[tuple[int, int, dict[str, list[int]]]]
+    keep: list[int]
 
 
 class ModelRunner:
@@ -30,14 +46,14 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = model.device
         self.grammars: Grammars | None = None  # set by the engine with the first constrained request
+        self.ranks = model.config.get("tp_size", 1)  # a model split over ranks (kvgen.tensor_parallel)
 
     @torch.no_grad()
     def step(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, float, dict[int, float]]]:
         """Feed ``n`` tokens of each ``(sequence, n)``; return ``(sequence, token, logprob, top_logprobs)`` for
         every sequence that gets a new token."""
-        size, device = self.cache.block_size, self.device
-        ids, positions, row_seq, keep, sampled, scored = [], [], [], [], [], []
-        for i, (seq, n) in enumerate(batch):
+        ids, spans, keep, sampled, scored = [], [], [], [], []
+        for seq, n in batch:
             start, end = seq.num_computed, seq.num_computed + n
             if seq.scores_prompt:  # rows whose next token is a prompt token not scored yet
                 if not seq.prompt_logprobs:
@@ -46,33 +62,15 @@ class ModelRunner:
                 scored += [(seq, len(keep) + p - first, seq.tokens[p + 1]) for p in range(first, last)]
                 keep += range(len(ids) + first - start, len(ids) + last - start)
             ids += seq.tokens[start:end]
-            positions.append(torch.arange(start, end))
-            row_seq += [i] * n
+            spans.append((start, end, {kind: list(seq.tables[kind]) for kind in self.cache.kinds}))
             if end == len(seq.tokens):
                 sampled.append((seq, len(keep)))
                 keep.append(len(ids) - 1)
-        row_seq_t = torch.tensor(row_seq)
-        steps = {}
-        for kind in self.cache.kinds:
-            used = size * (1 + max(b for seq, _ in batch for b in seq.tables[kind]))
-            key_positions = torch.full((len(batch), used), -1, dtype=torch.long)  # (sequences, used slots)
-            slots = []
-            for i, (seq, n) in enumerate(batch):
-                end = seq.num_computed + n
-                table = torch.tensor(seq.tables[kind], dtype=torch.long)
-                seq_slots = (table[:, None] * size + torch.arange(size)).flatten()[:end]  # slot of each position
-                live = table.repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window are gone
-                key_positions[i, seq_slots[live]] = torch.arange(end)[live]
-                slots.append(seq_slots[seq.num_computed:end])
-            steps[kind] = (torch.cat(slots).to(device), key_positions[row_seq_t].to(device))  # (T,), (T, used)
-        self.cache.begin_step(steps)
         constrained = [seq for seq, _ in sampled if seq.matcher is not None]
         masks = Masks(self.grammars, [seq.matcher for seq in constrained]).start() if constrained else None
-        positions_t = torch.cat(positions).to(device)  # the masks are computed meanwhile, in llguidance's threads
-        with eager_blocks():  # compiled blocks would compile a graph per batch size: seconds each
-            logits = self.model(torch.tensor([ids], device=device), position_ids=positions_t[None],
-                                cache_position=positions_t, past_key_values=self.cache, use_cache=True,
-                                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device)).logits[0]  # (kept, V)
+        plan = Plan(ids, spans, keep)
+        self.tell_followers(plan)  # (a split model's other ranks run it too)
+        logits = self.forward(plan)  # the masks are computed meanwhile, in llguidance's thread
         for seq, j, token in scored:  # in the prompt's order
             value, top = logprob_of(logits[j].float(), token, seq.params.prompt_logprobs)
             seq.prompt_logprobs.append(value)
@@ -88,7 +86,49 @@ class ModelRunner:
         return chosen
 
 
-def choose(seq: Sequence, raw: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[int, float, dict[int, float]]:
+    @torch.no_grad()
+    def forward(self, plan: Plan) -> torch.Tensor:
+        """The kept rows' logits (kept, V) of ``plan``'s tokens, the cache told where each goes and which positions
+        each row sees."""
+        size, device = self.cache.block_size, self.device
+        row_seq = torch.tensor([i for i, (start, end, _) in enumerate(plan.spans) for _ in range(end - start)])
+        steps = {}
+        for kind in self.cache.kinds:
+            used = size * (1 + max(b for _, _, tables in plan.spans for b in tables[kind]))
+            key_positions = torch.full((len(plan.spans), used), -1, dtype=torch.long)  # (sequences, used slots)
+            slots = []
+            for i, (start, end, tables) in enumerate(plan.spans):
+                table = torch.tensor(tables[kind], dtype=torch.long)
+                seq_slots = (table[:, None] * size + torch.arange(size)).flatten()[:end]  # slot of each position
+                live = table.repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window are gone
+                key_positions[i, seq_slots[live]] = torch.arange(end)[live]
+                slots.append(seq_slots[start:end])
+            steps[kind] = (torch.cat(slots).to(device), key_positions[row_seq].to(device))  # (T,), (T, used)
+        self.cache.begin_step(steps)
+        positions = torch.cat([torch.arange(start, end) for start, end, _ in plan.spans]).to(device)  # (T,)
+        with eager_blocks():  # compiled blocks would compile a graph per batch size: seconds each
+            return self.model(torch.tensor([plan.ids], device=device), position_ids=positions[None],
+                              cache_position=positions, past_key_values=self.cache, use_cache=True,
+                              logits_to_keep=torch.tensor(plan.keep, dtype=torch.long, device=device)).logits[0]
+
+    def follow(self) -> None:
+        """On a rank other than 0 of a split model: run the steps rank 0 plans, until it stops."""
+        while True:
+            plan = broadcast_object()
+            if plan is None:
+                return
+            if plan != IDLE:
+                self.forward(plan)
+
+    def tell_followers(self, message: Plan | str | None) -> None:
+        """Rank 0 of a split model: send the other ranks the step to run, or that the engine is idle (``IDLE``:
+        their collectives time out otherwise) or stopped (None)."""
+        if self.ranks > 1:
+            broadcast_object(message)
+
+
+def choose(seq: Sequence, raw: torch.Tensor,
+           allowed: torch.Tensor | None = None) -> tuple[int, float, dict[int, float]]:
     """Next token of ``seq`` from its raw logits (V,), penalized and biased (:func:`adjusted`), among the tokens
     its grammar allows (``allowed``: a bitmask of :class:`~kvgen.grammar.Masks`, applied to ``raw`` in
     place), greedy or sampled; with its log-probability under the model (the raw logits', as vLLM reports them) and
