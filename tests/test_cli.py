@@ -474,6 +474,7 @@ def test_repeat_penalty_applies_to_greedy_runs_too(smollm_gguf, capsys):
                                             (["serve", "--device", "cuda"], "no CUDA GPU is available here")]),
     (["generate", "--cache", "quantized", "--cache-config", "nbits=3"], "nbits"),
     (["generate", "--tp", "2", "--prompt-cache", "/nonexistent/cache"], "--prompt-cache keeps one process's cache"),
+    (["serve", "--tp", "2", "--kv-store", "redis://127.0.0.1:1"], "--kv-store shares one process's blocks"),
     (["generate", "--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json: not a "),
     (["chat", "--load", "/nonexistent/chat.safetensors"], "is missing; --load takes a file written by --save"),
 ])

@@ -308,6 +308,8 @@ def cmd_serve(args) -> int:
         raise ModuleNotFoundError(f"kvgen serve needs {error.name}: pip install 'kvgen[serve]'") from None
     from kvgen.serving import ContinuousBatchingConfig
 
+    if args.tp and args.tp > 1 and args.kv_store:
+        raise ValueError("--kv-store shares one process's blocks; with --tp each rank holds a part of each")
     if args.tp and args.tp > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks
         return launch_ranks(args.tp, args.argv, args.threads)
     tp_plan, front = _tensor_parallel(args)
