@@ -1,8 +1,9 @@
 """Tensor parallelism with gloo and 2 processes (torchrun) on this CPU: logits within 1e-4 of the single process
-and the same greedy tokens (``generate()`` and the batching engine), for Llama, Qwen2 (biases; one key/value head,
-replicated on both ranks), Gemma 3 (sliding layers, per-head norms) and a GGUF in its stored blocks; each rank's
-cache holds its own heads. ``kvgen generate --tp`` and ``kvgen serve --tp`` start the ranks themselves. Bad setups
-fail on every rank with a clear error, and a rank that dies makes the run fail instead of hang."""
+and the same greedy tokens (``generate()`` with every cache type that fits, and the batching engine), for Llama,
+Qwen2 (biases; one key/value head, replicated on both ranks), Gemma 3 (sliding layers, per-head norms) and a GGUF
+in its stored blocks; each rank's cache holds its own heads. ``kvgen generate --tp`` and ``kvgen serve --tp``
+start the ranks themselves. Bad setups fail on every rank with a clear error, and a rank that dies makes the run
+fail instead of hang."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from test_loading import CFG, _random_llama_state, _write_llama_gguf
 
 from kvgen import AutoModelForCausalLM
 from kvgen.models.decode_blocks import eager_blocks
-from tp_worker import BATCH
+from tp_worker import BATCH, CACHE_CONFIGS, caches_of
 from kvgen.tensor_parallel import TensorParallelError, split_heads
 
 HERE = Path(__file__).parent
@@ -68,9 +69,10 @@ def test_two_ranks_give_the_single_process_logits_and_tokens_in_generate_and_the
         heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
         assert split["heads"] == (heads // 2, max(kv_heads // 2, 1)), name  # each rank's cache: its own heads
         torch.testing.assert_close(split["logits"], model(PROMPT).logits, atol=1e-4, rtol=0)
-        for cache in ("dynamic", "static"):
+        for cache in caches_of(Path(folder).name):  # every cache type, each rank's holding its own heads
             with eager_blocks():  # as the ranks run them
-                expected = model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation=cache)
+                expected = model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation=cache,
+                                          cache_config=CACHE_CONFIGS.get(cache))
             assert split[cache].tolist() == expected.tolist(), (name, cache)
         batch = model.generate_batch(BATCH, max_new_tokens=10, do_sample=False, eos_token_id=[])
         assert split["batch"] == {rid: out.generated_tokens for rid, out in batch.items()}, name

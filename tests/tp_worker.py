@@ -1,6 +1,6 @@
 """One rank of the tensor-parallel tests (tests/test_tensor_parallel.py), started by torchrun: for each model folder
 (or GGUF file) in argv (``{rank}`` in it replaced by the rank), load it split over the ranks, then write rank 0's
-logits of a prompt, its greedy tokens (dynamic and static caches) and ``generate_batch``'s (the engine: rank 0
+logits of a prompt, its greedy tokens (with each cache type that fits the model: :func:`caches_of`) and ``generate_batch``'s (the engine: rank 0
 plans, every rank returns its outputs) to ``OUT/<file name>.pt``. ``KVGEN_TEST_DIE_AT``: rank 1 exits at that step
 of the first decode."""
 
@@ -16,6 +16,20 @@ import torch.distributed as dist
 from kvgen import AutoModelForCausalLM
 
 PROMPT = torch.tensor([[1, 5, 9, 13, 7, 3, 22, 40, 2, 17, 30, 11]])
+#: settings of the cache types that need some (a window shorter than prompt + reply: tokens are evicted)
+CACHE_CONFIGS = {"sink": {"window_length": 8, "num_sink_tokens": 2},
+                 "static_sink": {"window_length": 8, "num_sink_tokens": 2}}
+
+
+def caches_of(name: str) -> list[str]:
+    """The cache types run on a model: every one that fits Llama's full attention or Gemma 3's sliding layers."""
+    if name == "llama":
+        return ["dynamic", "static", "offloaded", "offloaded_static", "quantized", "sink", "static_sink"]
+    if name == "gemma3":
+        return ["dynamic", "static", "hybrid", "sliding_window"]
+    return ["dynamic", "static"]
+
+
 BATCH = [[1, 5, 9, 13, 7], [3, 22, 40, 2, 17, 30, 11, 8, 9, 10, 12, 14, 15, 16, 18, 19, 20], [4, 4, 4]]
 
 
@@ -31,8 +45,9 @@ def main(out: Path, folders: list[str]) -> None:
             model.model.layers[0].register_forward_hook(lambda *_: steps.append(1) or (
                 len(steps) == die_at and os._exit(3)))
         result = {"logits": model(PROMPT).logits,
-                  "dynamic": model.generate(PROMPT, max_new_tokens=12, do_sample=False),
-                  "static": model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation="static"),
+                  **{cache: model.generate(PROMPT, max_new_tokens=12, do_sample=False, cache_implementation=cache,
+                                           cache_config=CACHE_CONFIGS.get(cache))
+                     for cache in caches_of(Path(folder).name)},
                   "heads": (model.config.num_attention_heads, model.config.num_key_value_heads),
                   "batch": {rid: out.generated_tokens for rid, out in model.generate_batch(
                       BATCH, max_new_tokens=10, do_sample=False, eos_token_id=[]).items()}}

@@ -242,8 +242,8 @@ def shard_model(model: nn.Module, group=None) -> nn.Module:
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     queries, keys = split_heads(heads, kv_heads, ranks, rank)
     inner = config.intermediate_size
-    blocks = max(FORMATS[f][1] if isinstance(layer.mlp.down_proj, QuantizedLinear) else 1
-                 for layer in model.model.layers for f in getattr(layer.mlp.down_proj, "formats", [0]))
+    stored = [layer.mlp.down_proj for layer in model.model.layers if isinstance(layer.mlp.down_proj, QuantizedLinear)]
+    blocks = max((FORMATS[f][1] for down in stored for f in down.formats), default=1)  # values per stored block
     columns = split_features(inner, ranks, blocks)[rank]
     share = torch.arange(columns.start, columns.stop)
     qkv_rows = torch.cat([_heads(queries, head_dim), _heads(keys, head_dim, heads * head_dim),
