@@ -214,5 +214,5 @@ def test_kvgen_serve_tp_answers_as_one_process_and_stops_every_rank(with_tokeniz
         server.process.terminate()
         server.process.wait(timeout=120)
         server.log.close()
-    left = subprocess.run(["pgrep", "-f", f"--port {server.port}"], capture_output=True, text=True).stdout.split()
-    assert not left, f"ranks still running: {left}"
+    left = subprocess.run(["pgrep", "-f", "--", f"--port {server.port}"], capture_output=True, text=True)
+    assert left.returncode == 1, f"ranks still running: {left.stdout.split()} {left.stderr}"  # (1: none matched)
