@@ -152,9 +152,14 @@ def launch_ranks(ranks: int, argv: list[str], threads: int | None) -> int:
         signal.signal(signal.SIGTERM, before)
 
 
+def _splits(args) -> bool:
+    """Whether ``--tp`` splits the model over more than one process."""
+    return (args.tp or 1) > 1
+
+
 def _tensor_parallel(args) -> tuple[str | None, bool]:
     """(``tp_plan`` for the load, whether this process prints) of ``--tp``, under torchrun."""
-    if not args.tp or args.tp == 1:
+    if not _splits(args):
         return None, True
     world = int(os.environ["WORLD_SIZE"])
     if world != args.tp:
@@ -166,9 +171,9 @@ def cmd_generate(args) -> int:
     given = [p for p in (args.prompt, args.prompt_option, args.file) if p is not None]
     if len(given) > 1:
         raise ValueError("give the prompt once: as the argument, with -p/--prompt or with -f/--file")
-    if args.tp and args.tp > 1 and args.prompt_cache:
+    if _splits(args) and args.prompt_cache:
         raise ValueError("--prompt-cache keeps one process's cache; with --tp each rank holds a part of it")
-    if args.tp and args.tp > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks
+    if _splits(args) and "WORLD_SIZE" not in os.environ:  # this process starts the ranks
         seed = [] if args.seed is not None else ["--seed", str(random.randrange(2**31))]  # every rank draws alike
         return launch_ranks(args.tp, [*args.argv, *seed], args.threads)
     prompt = Path(args.file).read_text(encoding="utf-8") if args.file is not None else \
@@ -308,9 +313,9 @@ def cmd_serve(args) -> int:
         raise ModuleNotFoundError(f"kvgen serve needs {error.name}: pip install 'kvgen[serve]'") from None
     from kvgen.serving import ContinuousBatchingConfig
 
-    if args.tp and args.tp > 1 and args.kv_store:
+    if _splits(args) and args.kv_store:
         raise ValueError("--kv-store shares one process's blocks; with --tp each rank holds a part of each")
-    if args.tp and args.tp > 1 and "WORLD_SIZE" not in os.environ:  # this process starts the ranks
+    if _splits(args) and "WORLD_SIZE" not in os.environ:  # this process starts the ranks
         return launch_ranks(args.tp, args.argv, args.threads)
     tp_plan, front = _tensor_parallel(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")  # uvicorn's look

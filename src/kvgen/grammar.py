@@ -15,8 +15,6 @@ Example:
 
 from __future__ import annotations
 
-import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -88,8 +86,7 @@ class Grammars:
                                                 n_vocab=max(vocab_size, len(tokenizer)), eos_token=eos_token_ids)
         self.executor = llguidance.LLExecutor()
         # one thread that outlives the steps: starting one per step made the engine wait ~1 ms for the GIL
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgen-grammar-masks",
-                                         initializer=_lowest_priority)
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgen-grammar-masks")
 
     def matcher(self, grammar: str):
         """A fresh ``LLMatcher`` of ``grammar`` (at the start of a reply); :class:`GrammarError` if it fails."""
@@ -97,16 +94,6 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(f"the grammar cannot be used: {matcher.get_error()}")
         return matcher
-
-
-def _lowest_priority() -> None:
-    """This thread at the lowest priority (Linux: its own nice value, 19), below the forward pass's threads that
-    share the cores with it. (``SCHED_IDLE``, run only on an idle core, was slower: Qwen2.5-Coder at 16 requests,
-    0.87x the free decode against 0.96-0.98x.)"""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass
 
 
 class Masks:

@@ -62,7 +62,7 @@ class ModelRunner:
                 scored += [(seq, len(keep) + p - first, seq.tokens[p + 1]) for p in range(first, last)]
                 keep += range(len(ids) + first - start, len(ids) + last - start)
             ids += seq.tokens[start:end]
-            spans.append((start, end, {kind: list(seq.tables[kind]) for kind in self.cache.kinds}))
+            spans.append((start, end, seq.tables))  # (read, or sent to the other ranks, before the tables change)
             if end == len(seq.tokens):
                 sampled.append((seq, len(keep)))
                 keep.append(len(ids) - 1)
