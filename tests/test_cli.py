@@ -213,14 +213,14 @@ def tiny_checkpoint(tmp_path_factory):
 def test_bench_writes_rows_for_kvgen_and_transformers(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")  # the workers inherit it: kvgen's static step runs eagerly
     output = tmp_path / "bench.json"
+    # one cache: each worker that runs transformers spends ~12 s importing it here
     argv = ["bench", "--model", str(tiny_checkpoint), "--prompts", "16", "--batches", "1", "--new-tokens", "4",
-            "--caches", "dynamic,static", "--output", str(output)]
+            "--caches", "static", "--output", str(output)]
     assert main(argv) == 0
     assert f"wrote {output}" in capsys.readouterr().out
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the chart beside the JSON
     rows = json.loads(output.read_text())["rows"]
-    assert sorted((r["impl"], r["cache"]) for r in rows) == [
-        ("kvgen", "dynamic"), ("kvgen", "static"), ("transformers", "dynamic"), ("transformers", "static")]
+    assert sorted((r["impl"], r["cache"]) for r in rows) == [("kvgen", "static"), ("transformers", "static")]
     for row in rows:
         assert "error" not in row, row
         assert (row["prompt"], row["batch"], row["new_tokens"]) == (16, 1, 4)

@@ -18,6 +18,7 @@ import transformers
 
 import kvgen
 from kvgen import HybridCache
+from reference import transformers_gguf, transformers_gguf_model, transformers_gguf_tokenizer
 from test_parity import ATOL, check_logits_without_cache, check_prefill_and_decode, left_padded_batch
 WINDOW = 5
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -275,26 +276,9 @@ def gemma3_prompt(gemma3):
 
 @pytest.fixture(scope="session")
 def gemma3_transformers(gemma3, gemma3_gguf, gemma3_prompt):
-    """transformers' Gemma 3 on the config and tensors its own GGUF loader reads (35-75 s), and its greedy ids.
-
-    ``from_pretrained(gguf_file=...)`` insists on ``accelerate``; this calls ``load_gguf_checkpoint``
-    directly, as ``tests/test_loading.py`` does for the default model. It parses the file once:
-    the weightless model it needs for the tensor names is sized from kvgen's config, and the
-    reference model is built from the config transformers parsed.
-    """
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    ours = gemma3[0].config
-    sizes = {key: ours.get(key) for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                              "num_attention_heads", "num_key_value_heads", "head_dim")}
-    with torch.device("meta"):
-        names = transformers.AutoModelForCausalLM.from_config(transformers.Gemma3TextConfig(**sizes))
-    parsed = load_gguf_checkpoint(str(gemma3_gguf), return_tensors=True, model_to_load=names,
-                                  torch_dtype=torch.float32)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**parsed["config"]))
-    tensors = parsed["tensors"]
-    missing, unexpected = model.eval().load_state_dict(tensors, strict=False)
-    assert set(missing) <= {"lm_head.weight"} and not unexpected  # lm_head is tied to the embeddings
+    """transformers' Gemma 3 on the config and tensors its own GGUF loader reads (tests/reference.py), its
+    tensors and its greedy ids."""
+    model, (_, tensors) = transformers_gguf_model(gemma3_gguf), transformers_gguf(gemma3_gguf)
     with torch.no_grad():
         greedy = model.generate(gemma3_prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
     return model, tensors, greedy
@@ -321,7 +305,7 @@ def test_real_gemma3_gguf_loads_like_transformers(gemma3, gemma3_transformers):
 
 def test_real_gemma3_tokenizer_matches_transformers(gemma3, gemma3_gguf):
     _, tokenizer = gemma3
-    ref = transformers.AutoTokenizer.from_pretrained(gemma3_gguf.parent, gguf_file=gemma3_gguf.name)
+    ref = transformers_gguf_tokenizer(gemma3_gguf)
     for text in ["Once upon a time, there was a little", "  two  spaces,\ttabs\nand newlines  ",
                  "héllo 日本語 🙂 <start_of_turn>user\n", "    def f(x):\n        return x ** 2\n"]:
         assert tokenizer(text).input_ids == ref(text).input_ids, text

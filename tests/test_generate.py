@@ -20,6 +20,7 @@ import transformers
 
 import kvgen
 from kvgen import DynamicCache, GenerationConfig, StaticCache, TextStreamer
+from reference import transformers_gguf_model, transformers_gguf_tokenizer
 
 transformers.logging.set_verbosity_error()
 
@@ -598,20 +599,11 @@ def test_left_padded_batch_equals_rows_alone(smollm, default_model_dir):
 
 @pytest.fixture(scope="module")
 def gguf_reference():
-    """transformers' model and tokenizer from the default GGUF (accelerate-free loading)."""
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
+    """transformers' model and tokenizer from the default GGUF (tests/reference.py)."""
     from kvgen.loading.default_model import default_gguf_path
 
     path = default_gguf_path()
-    d, f = str(path.parent), path.name
-    config = transformers.AutoConfig.from_pretrained(d, gguf_file=f)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    parsed = load_gguf_checkpoint(os.path.join(d, f), return_tensors=True, model_to_load=hf,
-                                  torch_dtype=torch.float32)
-    hf.load_state_dict(parsed["tensors"], strict=False)
-    hf.tie_weights()
-    return hf, transformers.AutoTokenizer.from_pretrained(d, gguf_file=f), d, f
+    return transformers_gguf_model(path), transformers_gguf_tokenizer(path), str(path.parent), path.name
 
 
 def test_default_model_story_equals_transformers(gguf_reference, smollm):

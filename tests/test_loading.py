@@ -269,20 +269,10 @@ def ours(default_gguf):
 
 @pytest.fixture(scope="module")
 def transformers_reference(default_gguf):
-    """transformers' config and state dict for the default GGUF (35-75 s on 2 cores).
+    """transformers' config and state dict for the default GGUF (tests/reference.py)."""
+    from reference import transformers_gguf
 
-    ``from_pretrained(gguf_file=...)`` insists on ``accelerate`` (not installed) and then calls
-    ``load_gguf_checkpoint`` for llama; this calls it directly, on a weightless model for the names.
-    """
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    config = transformers.AutoConfig.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(str(default_gguf), return_tensors=True, model_to_load=model,
-                                  torch_dtype=torch.float32)
-    return config, parsed["tensors"]
+    return transformers_gguf(default_gguf)
 
 
 def test_read_gguf_metadata(default_gguf):

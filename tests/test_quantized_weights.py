@@ -26,6 +26,7 @@ from kvgen.models.packed import TILED, TILED_HEADS, PackedWeight, dequantize_on_
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from kvgen.models.weight_arena import WeightArena
 from kvgen.quantization import TorchAoConfig, quantize_int4, quantize_int8
+from reference import gguf_reader
 
 # skipped only where there is no compiler; a compiler error in kvgen's own source fails every test here
 pytestmark = pytest.mark.skipif(not kernels_available() and "no C++ compiler" in unavailable_reason(),
@@ -117,7 +118,7 @@ def test_kernels_match_gguf_on_the_packaged_files(gemma3_gguf):
 
     seen = set()
     for path in (default_gguf_path(), gemma3_gguf):
-        for tensor in gguf.GGUFReader(path).tensors:
+        for tensor in gguf_reader(path).tensors:
             if tensor.tensor_type == Q.F32 or tensor.tensor_type in seen:
                 continue
             seen.add(tensor.tensor_type)

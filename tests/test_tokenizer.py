@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from kvgen.tokenizer import AutoTokenizer, BatchEncoding
 
 transformers = pytest.importorskip("transformers")
+from reference import transformers_gguf_tokenizer  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXTS = [
@@ -54,7 +55,7 @@ def kv(gguf_dir):
 
 @pytest.fixture(scope="module")
 def hf(gguf_dir):
-    return transformers.AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_NAME)
+    return transformers_gguf_tokenizer(gguf_dir / GGUF_NAME)  # transformers' own, from the folder and file name
 
 
 @pytest.fixture
