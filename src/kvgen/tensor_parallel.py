@@ -93,13 +93,19 @@ class Gathered(nn.Module):
 
 def process_group():
     """The default process group, joined from torchrun's environment if this process has not joined one yet:
-    gloo on CPUs, NCCL where CUDA is available, every collective bounded by :data:`TIMEOUT_S`."""
+    gloo for CPU tensors and, where CUDA is available, NCCL for CUDA tensors on this rank's GPU (``LOCAL_RANK``,
+    made the current device first: NCCL refuses two ranks on one GPU, and its object collectives use the current
+    device); every collective bounded by :data:`TIMEOUT_S`."""
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
             raise TensorParallelError('tp_plan="auto" runs under torchrun (torchrun --nproc-per-node N script.py), '
                                       "which sets RANK and WORLD_SIZE; or join a process group first")
         timeout = datetime.timedelta(seconds=float(os.environ.get("KVGEN_TP_TIMEOUT", TIMEOUT_S)))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+        backend = "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            backend = "cpu:gloo,cuda:nccl"  # a model kept on the CPU (device_map="cpu") still splits over gloo
+        dist.init_process_group(backend, timeout=timeout)
     return dist.group.WORLD
 
 
