@@ -108,3 +108,37 @@ def test_a_response_format_needs_the_tokenizer_and_a_schema_that_compiles(smollm
     plain = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False, tokenizer=tokenizer,
                                       response_format={"type": "text"}), plain)
+
+
+def test_matchers_of_a_grammar_seen_before_are_independent_copies_of_a_fresh_one(smollm, monkeypatch):
+    """Grammars keeps the last KEPT grammars compiled and hands out copies: each copy starts where a freshly
+    compiled matcher starts, allows what it allows, and moves on its own."""
+    import llguidance
+
+    _, tokenizer = smollm
+    grammars = kvgen.grammar.Grammars(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = kvgen.grammar.response_grammar(FORMAT)
+    others = [kvgen.grammar.schema_grammar({"type": "integer", "maximum": i}) for i in range(grammars.KEPT)]
+    compiled = []
+    real = llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", lambda *args, **kw: compiled.append(1) or real(*args, **kw))
+    first, second = grammars.matcher(grammar), grammars.matcher(grammar)
+    assert len(compiled) == 1 and first is not second
+    fresh = real(grammars.tokenizer, grammar, log_level=0)
+
+    def allowed(matcher):
+        return torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+
+    opening = tokenizer('{"name": "Ada", "age": 3', add_special_tokens=False).input_ids
+    for token in opening:
+        assert torch.equal(allowed(first), allowed(fresh))
+        assert first.consume_token(token) and fresh.consume_token(token)
+    assert torch.equal(allowed(first), allowed(fresh))
+    assert not torch.equal(allowed(second), allowed(first))  # the copy handed out second has not moved
+    assert torch.equal(allowed(second), allowed(real(grammars.tokenizer, grammar, log_level=0)))
+    for other in others:  # older grammars make room for newer ones
+        grammars.matcher(other)
+    assert len(compiled) == 1 + grammars.KEPT and grammar not in grammars._compiled
+    assert len(grammars._compiled) == grammars.KEPT
+    with pytest.raises(GrammarError, match="cannot be used"):
+        grammars.matcher('{"grammars": [{"lark_grammar": "start: undefined_rule"}]}')

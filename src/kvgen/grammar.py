@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -77,7 +79,11 @@ class Grammars:
 
     ``vocab_size``: the model's logits (which may hold more rows than the tokenizer has tokens);
     ``eos_token_ids``: the tokens that end a reply, the only ones allowed once the grammar is complete.
+    The last :attr:`KEPT` grammars are kept compiled: a request with one of them (a server's clients send the
+    same schemas again and again; ``n`` > 1 asks for several at once) gets a copy of a matcher at its start.
     """
+
+    KEPT = 64
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         llguidance = _llguidance()
@@ -87,13 +93,26 @@ class Grammars:
         self.executor = llguidance.LLExecutor()
         # one thread that outlives the steps: starting one per step made the engine wait ~1 ms for the GIL
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgen-grammar-masks")
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> a matcher at its start, never fed
+        self._lock = threading.Lock()  # requests arrive on the server's threads
 
     def matcher(self, grammar: str):
-        """A fresh ``LLMatcher`` of ``grammar`` (at the start of a reply); :class:`GrammarError` if it fails."""
-        matcher = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"the grammar cannot be used: {matcher.get_error()}")
-        return matcher
+        """A fresh ``LLMatcher`` of ``grammar`` (at the start of a reply); :class:`GrammarError` if it fails.
+        A grammar seen lately is copied, not compiled again (16 matchers of a JSON schema over Qwen2.5-Coder's
+        vocabulary: ~11 ms compiled, ~0.2 ms copied)."""
+        with self._lock:
+            start = self._compiled.get(grammar)
+            if start is not None:
+                self._compiled.move_to_end(grammar)
+                return start.deep_copy()
+        start = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
+        if start.is_error():
+            raise GrammarError(f"the grammar cannot be used: {start.get_error()}")
+        with self._lock:
+            self._compiled[grammar] = start
+            while len(self._compiled) > self.KEPT:
+                self._compiled.popitem(last=False)
+        return start.deep_copy()
 
 
 class Masks:
