@@ -85,7 +85,6 @@ class ModelRunner:
                 seq.matcher.consume_token(token)
         return chosen
 
-
     @torch.no_grad()
     def forward(self, plan: Plan) -> torch.Tensor:
         """The kept rows' logits (kept, V) of ``plan``'s tokens, the cache told where each goes and which positions
