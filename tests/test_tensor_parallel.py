@@ -193,6 +193,7 @@ def test_kvgen_serve_tp_answers_as_one_process_and_stops_every_rank(with_tokeniz
     from test_server import Server
 
     from kvgen import AutoTokenizer
+    from kvgen.cli import serving_kv_dtype
 
     monkeypatch.setenv("KVGEN_DISABLE_COMPILE", "1")
     model = AutoModelForCausalLM.from_pretrained(with_tokenizer, dtype=torch.float32)
@@ -201,7 +202,8 @@ def test_kvgen_serve_tp_answers_as_one_process_and_stops_every_rank(with_tokeniz
     expected = []
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, disable_compile=True)
+        out = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, disable_compile=True,
+                             cache_implementation="static", cache_config={"dtype": serving_kv_dtype(model)})
         expected.append(tokenizer.decode(out[0, ids.shape[1]:]))
     server = Server(with_tokenizer, "--tp", "2")
     try:

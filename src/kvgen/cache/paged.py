@@ -1,7 +1,8 @@
 """A paged KV cache: one pool of fixed-size blocks per attention layer, shared by many sequences.
 
 Each layer's keys and values live in one preallocated tensor ``(1, kv_heads, num_blocks *
-block_size, head_dim)``; a sequence's tokens sit in the slots of the blocks its block table
+block_size, head_dim)`` each (wider for int8 rows, which carry their scales: :mod:`kvgen.cache.precision`);
+a sequence's tokens sit in the slots of the blocks its block table
 lists (bookkeeping in :mod:`kvgen.serving.blocks`). A forward pass takes a *ragged* batch,
 flattened to batch 1: the new tokens of several sequences side by side, with no padding.
 Before the pass the runner says where each new token goes (``slot_mapping``) and which
@@ -28,6 +29,7 @@ import re
 import torch
 
 from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
+from kvgen.cache.precision import encode, kv_dtype, stored_dim
 
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
 
@@ -82,10 +84,11 @@ class PagedLayer(CacheLayer):
         self.owner, self.kind, self.pool_keys, self.pool_values = owner, kind, keys, values  # (1, Hkv, slots, D) each
 
     def update(self, key, value, cache_position):
-        """Write ``key``/``value`` (1, Hkv, T, D) at this pass's slots; return the pool's slots in use."""
+        """Write ``key``/``value`` (1, Hkv, T, D) at this pass's slots, in the pool's precision; return the pool's
+        slots in use (as stored: :mod:`kvgen.cache.precision`)."""
         slots, positions = self.owner.steps[self.kind]
-        self.pool_keys.index_copy_(2, slots, key.to(self.pool_keys.dtype))
-        self.pool_values.index_copy_(2, slots, value.to(self.pool_values.dtype))
+        self.pool_keys.index_copy_(2, slots, encode(key, self.pool_keys.dtype))
+        self.pool_values.index_copy_(2, slots, encode(value, self.pool_values.dtype))
         used = positions.shape[1]
         return self.pool_keys[:, :, :used], self.pool_values[:, :, :used]
 
@@ -130,6 +133,8 @@ class PagedAttentionCache(Cache):
         num_blocks: pool size in blocks; or give ``max_memory`` (bytes, ``"512MB"``, or a
             fraction in (0, 1] of the free memory) and the pool takes what fits.
         block_size: tokens per block (16).
+        dtype: how keys and values are stored: float32, float16, bfloat16, or int8 rows with a scale per 32
+            values (:mod:`kvgen.cache.precision`); a name or a dtype. Attention reads each as stored.
 
     Example:
         >>> cache = PagedAttentionCache(config, max_memory="256MB", dtype=torch.float32)  # doctest: +SKIP
@@ -146,9 +151,10 @@ class PagedAttentionCache(Cache):
         heads = config_value(config, "num_attention_heads")
         kv_heads = config_value(config, "num_key_value_heads") or heads
         head_dim = config_value(config, "head_dim") or config_value(config, "hidden_size") // heads
-        device = torch.device(device or "cpu")
+        device, dtype = torch.device(device or "cpu"), kv_dtype(dtype)
         self.block_size, self.dtype = block_size, dtype
-        self.bytes_per_block = len(kinds) * 2 * kv_heads * block_size * head_dim * dtype.itemsize
+        width = stored_dim(dtype, head_dim)  # stored elements of a position's head
+        self.bytes_per_block = len(kinds) * 2 * kv_heads * block_size * width * dtype.itemsize
         if num_blocks is None:
             if max_memory is None:
                 raise ValueError("PagedAttentionCache needs num_blocks or max_memory (bytes, '512MB' or a fraction)")
@@ -160,13 +166,13 @@ class PagedAttentionCache(Cache):
             raise ValueError(
                 f"a KV cache budget of {max_memory!r} holds no block: one block of {block_size} tokens takes "
                 f"{self.bytes_per_block} bytes for this model ({len(kinds)} layers x {kv_heads} kv heads x "
-                f"{head_dim} x keys and values); raise the budget")
+                f"{block_size} tokens x {width * dtype.itemsize} bytes x keys and values); raise the budget")
         self.num_blocks = num_blocks
         self.kinds = tuple(dict.fromkeys(kinds))
         slots = num_blocks * block_size
         super().__init__(layers=[
-            PagedLayer(self, kind, _zeros((1, kv_heads, slots, head_dim), dtype, device),
-                       _zeros((1, kv_heads, slots, head_dim), dtype, device)) for kind in kinds])
+            PagedLayer(self, kind, _zeros((1, kv_heads, slots, width), dtype, device),
+                       _zeros((1, kv_heads, slots, width), dtype, device)) for kind in kinds])
         self.steps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def begin_step(self, steps: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

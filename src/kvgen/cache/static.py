@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.cache.base import Cache, CacheLayer, config_value, fixed_address, layer_kind, operation, text_config
+from kvgen.cache.precision import encode, kv_dtype, stored_dim
 from kvgen.cache.registry import register_cache
 
 
@@ -65,6 +66,7 @@ class StaticLayer(CacheLayer):
             self._allocate(batch_size, num_heads, head_dim, head_dim, torch.device(device or "cpu"), dtype)
 
     def _allocate(self, batch, heads, k_dim, v_dim, device, dtype):
+        k_dim, v_dim = stored_dim(dtype, k_dim), stored_dim(dtype, v_dim)  # (int8 rows carry their scales)
         self._k = torch.zeros(batch, heads, self.max_cache_len, k_dim, device=device, dtype=dtype)
         self._v = torch.zeros(batch, heads, self.max_cache_len, v_dim, device=device, dtype=dtype)
         self._seen = torch.zeros(1, dtype=torch.long, device=device)
@@ -82,8 +84,8 @@ class StaticLayer(CacheLayer):
                            torch.device(self.device) if self.device is not None else key.device,
                            self.dtype or key.dtype)
         end = self._filled_end(cache_position)
-        self._k.index_copy_(2, cache_position, key.to(self._k.dtype))
-        self._v.index_copy_(2, cache_position, value.to(self._v.dtype))
+        self._k.index_copy_(2, cache_position, encode(key, self._k.dtype))
+        self._v.index_copy_(2, cache_position, encode(value, self._v.dtype))
         torch.maximum(self._seen, cache_position[-1:] + 1, out=self._seen)
         return self._k[:, :, :end], self._v[:, :, :end]
 
@@ -163,7 +165,9 @@ class StaticCache(Cache):
     """A preallocated cache of ``max_cache_len`` slots per layer, for ``torch.compile``.
 
     ``max_batch_size``, ``device`` and ``dtype`` are optional: when left out, they are
-    taken from the first keys written.
+    taken from the first keys written. ``dtype`` is the precision keys and values are stored in; besides float
+    dtypes, ``torch.int8`` stores int8 rows with a scale per 32 values (:mod:`kvgen.cache.precision`), which
+    kvgen's attention reads as stored.
 
     Example:
         >>> cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=1024,
@@ -207,5 +211,9 @@ class StaticCache(Cache):
 
 @register_cache("static")
 def _static(config, batch_size, max_cache_len, device, dtype, cache_config):
+    """``cache_config={"dtype": "int8"}`` (or float16, bfloat16, float32) stores keys and values in that precision
+    (the serving engine's ``kv_dtype``); else in the model's dtype."""
+    if isinstance(cache_config, dict) and "dtype" in cache_config:
+        dtype = kv_dtype(cache_config["dtype"])
     return StaticCache(config=config, max_batch_size=batch_size, max_cache_len=max_cache_len,
                        device=device, dtype=dtype)

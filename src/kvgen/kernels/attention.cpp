@@ -102,6 +102,34 @@ __attribute__((noinline)) void tile_scores(const float* qt, int64_t Rp, const fl
   }
 }
 
+// one stored row of D values (format f; D a multiple of 32 for Q8, of 16 else) as float32
+void to_float(KvFormat f, const char* row, int64_t D, float* out) {
+  if (f == KvFormat::F32) {
+    std::memcpy(out, row, D * sizeof(float));
+  } else if (f == KvFormat::F16) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+#if defined(__F16C__)
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + d))));
+#else
+    for (int64_t d = 0; d < D; ++d) out[d] = half_to_float(h[d]);
+#endif
+  } else if (f == KvFormat::BF16) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
+    for (int64_t d = 0; d < D; ++d) {  // a bfloat16 is a float32's upper half
+      const uint32_t bits = (uint32_t)h[d] << 16;
+      std::memcpy(out + d, &bits, 4);
+    }
+  } else {  // Q8: D codes, then D / 32 scales
+    const int8_t* code = reinterpret_cast<const int8_t*>(row);
+    for (int64_t g = 0; g < D / 32; ++g) {
+      float scale;
+      std::memcpy(&scale, row + D + 4 * g, 4);
+      for (int64_t i = 32 * g; i < 32 * g + 32; ++i) out[i] = (float)code[i] * scale;
+    }
+  }
+}
+
 // the sums of 4 vectors' lanes
 inline void sum4(const vn* x, float* out) {
 #if defined(__AVX2__)
@@ -244,27 +272,33 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
   std::fill(m, m + Rp, -INFINITY);
   std::fill(l, l + Rp, 0.0f);
   std::fill(acc, acc + R * D, 0.0f);
-  const float* kb = a.k + b * a.k0 + g * a.k1;
-  const float* vb_ = a.v + b * a.v0 + g * a.v1;
+  const int64_t esz = kv_element_bytes(a.kv), row_bytes = kv_row_elements(a.kv, D) * esz;
+  const char* kb = static_cast<const char*>(a.k) + (b * a.k0 + g * a.k1) * esz;  // this key head's rows, as stored
+  const char* vb_ = static_cast<const char*>(a.v) + (b * a.v0 + g * a.v1) * esz;
+  const bool direct = a.kv == KvFormat::F32;  // whole tiles read in place
   const uint8_t* mrows = a.mask ? a.mask + (blk.mrow * a.T + blk.t0) * S : nullptr;
-  auto prefetch = [&](int64_t c) {  // a tile's keys and values, while the one before is computed
+  auto prefetch = [&](int64_t c) {  // a tile's stored keys and values, while the one before is computed
     const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
     for (int64_t s = s0; s < std::min(s0 + TILE, S); ++s)
-      for (int64_t d = 0; d < D; d += 16) {
-        __builtin_prefetch(kb + s * a.k2 + d);
-        __builtin_prefetch(vb_ + s * a.v2 + d);
+      for (int64_t o = 0; o < row_bytes; o += 64) {
+        __builtin_prefetch(kb + s * a.k2 * esz + o);
+        __builtin_prefetch(vb_ + s * a.v2 * esz + o);
       }
   };
   constexpr int64_t AHEAD = 2;  // few rows: tiles prefetched ahead
-  auto cut_tail = [&](int64_t s0, const float*& kt, const float*& vt, int64_t& ks, int64_t& vs) {
-    if (s0 + TILE <= S) return;  // the last tile, cut short: its keys and values padded with zeros
-    std::fill(w.ktail, w.ktail + TILE * D, 0.0f);
-    std::fill(w.vtail, w.vtail + TILE * D, 0.0f);
-    for (int64_t s = 0; s < S - s0; ++s) {
-      std::copy(kt + s * ks, kt + s * ks + D, w.ktail + s * D);
-      std::copy(vt + s * vs, vt + s * vs + D, w.vtail + s * D);
+  // keys or values s0 .. s0 + 15 of a head's stored rows (stride stored elements apart) as float32 rows, rs apart:
+  // in place where they are float32 and the tile is whole, else turned into float32 in buf (TILE x D; rows past
+  // S zero)
+  auto tile_of = [&](const char* base, int64_t stride, int64_t s0, float* buf, int64_t& rs) -> const float* {
+    if (direct && s0 + TILE <= S) {
+      rs = stride;
+      return reinterpret_cast<const float*>(base) + s0 * stride;
     }
-    kt = w.ktail, vt = w.vtail, ks = vs = D;
+    const int64_t n = std::min(TILE, S - s0);
+    for (int64_t s = 0; s < n; ++s) to_float(a.kv, base + (s0 + s) * stride * esz, D, buf + s * D);
+    std::fill(buf + n * D, buf + TILE * D, 0.0f);
+    rs = D;
+    return buf;
   };
   // the score of key s of a tile for row r: sc[r * row_stride + s * key_stride], -inf where the mask excludes it
   auto exclude = [&](int64_t c, int64_t s0, float* scores, int64_t key_stride, int64_t row_stride) {
@@ -284,20 +318,22 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
     for (int64_t c = c0; c < std::min(c1, c0 + AHEAD); ++c) prefetch(c);
     for (int64_t cc = c0; cc < c1; cc += CHUNK) {
       const int64_t count = std::min(CHUNK, c1 - cc), keys = count * TILE;
-      const float *vts[CHUNK], *vaheads[CHUNK];
-      int64_t vss[CHUNK];
+      const float* vaheads[CHUNK];
+      int64_t vstarts[CHUNK];
       for (int64_t j = 0; j < count; ++j) {
         const int64_t c = cc + j, s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
-        const float* kahead = nullptr;  // a whole tile AHEAD on (a cut last tile is not)
+        const float* kahead = nullptr;  // a whole float32 tile AHEAD on (a cut last tile is not)
         vaheads[j] = nullptr;
-        if (c + AHEAD < c1 && (int64_t)(blk.tiles[c + AHEAD] >> 1) * TILE + TILE <= S) {
+        if (c + AHEAD < c1) {
           const int64_t sa = (int64_t)(blk.tiles[c + AHEAD] >> 1) * TILE;
-          kahead = kb + sa * a.k2, vaheads[j] = vb_ + sa * a.v2;
+          if (!direct)
+            prefetch(c + AHEAD);  // (stored rows: in a burst)
+          else if (sa + TILE <= S)
+            kahead = reinterpret_cast<const float*>(kb) + sa * a.k2, vaheads[j] = reinterpret_cast<const float*>(vb_) + sa * a.v2;
         }
-        const float* kt = kb + s0 * a.k2;
-        int64_t ks = a.k2;
-        vts[j] = vb_ + s0 * a.v2, vss[j] = a.v2;
-        cut_tail(s0, kt, vts[j], ks, vss[j]);
+        int64_t ks;
+        const float* kt = tile_of(kb, a.k2, s0, w.ktail, ks);
+        vstarts[j] = s0;
         float* scj = sc + j * TILE;
         int64_t r = 0;
 #if defined(__AVX512F__)  // 16 accumulators: each key vector loaded serves 4 rows (32 registers)
@@ -332,8 +368,11 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
         m[r] = mn;
         alpha[r] = al;
       }
-      for (int64_t j = 0; j < count; ++j)  // the values so far rescaled once, with the chunk's first tile
-        values_rows(R, acc, D, sc + j * TILE, 1, CT, j ? nullptr : alpha, vts[j], vss[j], vaheads[j]);
+      for (int64_t j = 0; j < count; ++j) {  // the values so far rescaled once, with the chunk's first tile
+        int64_t vs;
+        const float* vt = tile_of(vb_, a.v2, vstarts[j], w.vtail, vs);
+        values_rows(R, acc, D, sc + j * TILE, 1, CT, j ? nullptr : alpha, vt, vs, vaheads[j]);
+      }
     }
   } else {
     // many rows: the rows in vector lanes, the next tile prefetched in a burst
@@ -341,9 +380,8 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
       if (c == c0) prefetch(c);
       if (c + 1 < c1) prefetch(c + 1);
       const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
-      const float *kt = kb + s0 * a.k2, *vt = vb_ + s0 * a.v2;
-      int64_t ks = a.k2, vs = a.v2;
-      cut_tail(s0, kt, vt, ks, vs);
+      int64_t ks, vs;
+      const float *kt = tile_of(kb, a.k2, s0, w.ktail, ks), *vt = tile_of(vb_, a.v2, s0, w.vtail, vs);
       int64_t r = 0;
       for (; r + 3 * LN <= Rp; r += 3 * LN) tile_scores<3, 4>(qt + r, Rp, kt, ks, D, sc + r);
       if (r + 2 * LN <= Rp) tile_scores<2, 4>(qt + r, Rp, kt, ks, D, sc + r);

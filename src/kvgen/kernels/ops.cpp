@@ -111,17 +111,36 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   return y;
 }
 
+// how keys and values of dtype t are stored (int8: Q8 rows, attention.h)
+KvFormat kv_format(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return KvFormat::F32;
+    case at::kHalf: return KvFormat::F16;
+    case at::kBFloat16: return KvFormat::BF16;
+    case at::kChar: return KvFormat::Q8;
+    default: TORCH_CHECK(false, "kvgen: attention reads keys and values stored as float32, float16, bfloat16 or int8 ",
+                         "rows, not ", t);
+  }
+}
+
 // q (B, H, T, D), k and v (B, Hkv, S, D), mask: bool (B or 1, 1, T, S) or none -> (B, H, T, D) as a view of (B, T,
 // H, D) storage, so the caller's transpose + flatten is free (attention.cpp says what it computes)
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
                         double scale, double softcap) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat &&
-              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "kvgen: attention takes 4-D float32");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat,
+              "kvgen: attention takes 4-D tensors, the queries float32");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(D % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0,
-              "kvgen: attention needs a head size that is a multiple of 16 and contiguous heads");
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == D &&
-              v.size(3) == D, "kvgen: attention's keys and values must be (B, Hkv, S, D)");
+  const KvFormat kv = kv_format(k.scalar_type());
+  TORCH_CHECK(v.scalar_type() == k.scalar_type(), "kvgen: attention's keys and values are stored alike, not as ",
+              k.scalar_type(), " and ", v.scalar_type());
+  TORCH_CHECK(D % 16 == 0 && (kv != KvFormat::Q8 || D % 32 == 0) && q.stride(3) == 1 && k.stride(3) == 1 &&
+              v.stride(3) == 1 && H % Hkv == 0,
+              "kvgen: attention needs a head size that is a multiple of 16 (of 32 for int8 keys and values) and "
+              "contiguous heads");
+  const int64_t width = kv_row_elements(kv, D);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == width &&
+              v.size(3) == width, "kvgen: attention's keys and values must be (B, Hkv, S, ", width, ")",
+              kv == KvFormat::Q8 ? " (int8 rows: D codes and D / 32 float32 scales)" : "");
   const bool masked = mask.has_value() && mask->defined();
   at::Tensor m;
   if (masked) {
@@ -135,10 +154,10 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
   if (S == 0) return out.zero_().transpose(1, 2);
   const uint8_t* mp = masked ? reinterpret_cast<const uint8_t*>(m.data_ptr<bool>()) : nullptr;
   const AttentionPlan plan = plan_attention(B, T, Hkv, H / Hkv, S, mp, masked ? m.size(0) : 1);
-  const AttentionArgs args{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+  const AttentionArgs args{q.data_ptr<float>(), k.data_ptr(), v.data_ptr(),
                            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                            v.stride(0), v.stride(1), v.stride(2), mp, T, S, H, H / Hkv, D, (float)scale, (float)softcap,
-                           out.data_ptr<float>()};
+                           out.data_ptr<float>(), kv};
   attend(plan, args);
   return out.transpose(1, 2);
 }

@@ -104,15 +104,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     as queries (a prefill into an empty cache) runs the op with the causal mask: against SDPA's own
     causal kernel, which skips the excluded blocks too, 512 tokens on Zen 4: 1.8x at head dim 64 and
     256 with 2 threads, 1.7x / 1.8x with 1; with both built for AVX2 only, 1.25-1.6x.
+
+    Keys and values stored in a cache's other precision (:mod:`kvgen.cache.precision`: float16, bfloat16,
+    int8 rows) go to the op at any density: it reads them as stored, where SDPA would need a float copy.
     """
-    if q.shape[-1] % 16 or (mask is not None and (mask.dtype != torch.bool or mask.dim() != 4)) \
-            or not _native(q, None):
+    if q.shape[-1] % (32 if k.dtype == torch.int8 else 16) or \
+            (mask is not None and (mask.dtype != torch.bool or mask.dim() != 4)) or not _native(q, None):
         return None
     if is_causal:
         if mask is not None or q.shape[2] != k.shape[2]:
             return None
         mask = _causal_mask(q.shape[2])
-    if q.shape[0] * q.shape[2] > MAX_ROWS and (
+    if q.shape[0] * q.shape[2] > MAX_ROWS and k.dtype == q.dtype and (
             mask is None or q.shape[0] != 1 or mask.shape[0] != 1 or _fraction_of(mask) > SPARSE_FRACTION):
         return None
     return torch.ops.kvgen.attention(q, k, v, mask, scale, softcap or 0.0)

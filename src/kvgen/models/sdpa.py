@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from kvgen.cache.precision import decode
+
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -31,7 +33,10 @@ def backends_for(device: torch.device) -> list[SDPBackend] | None:
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                                  is_causal: bool, scale: float | None, enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of q (B, H, T, D) over k/v (B, Hkv, S, D), off cuDNN where
-    :func:`backends_for` says so."""
+    :func:`backends_for` says so. Keys and values stored in another precision than the queries' (a cache's
+    ``kv_dtype``) are turned into the queries' dtype first."""
+    if k.dtype != q.dtype:
+        k, v = decode(k, q.shape[-1], q.dtype), decode(v, q.shape[-1], q.dtype)
     backends = backends_for(q.device)
     with contextlib.nullcontext() if backends is None else sdpa_kernel(backends):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,

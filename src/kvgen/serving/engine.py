@@ -86,7 +86,10 @@ class ContinuousBatchingConfig:
     unless ``num_blocks`` is given. ``max_batch_tokens``: tokens per forward pass (prompts are
     prefilled in chunks of what is left). ``max_num_seqs``: running sequences at most. ``kv_store``:
     ``redis://host:port/db`` of a prefix-block store shared with other replicas (:mod:`kvgen.serving.store`),
-    tried again ``kv_store_retry`` seconds after a failure.
+    tried again ``kv_store_retry`` seconds after a failure. ``kv_dtype``: how the pool stores keys and values
+    (``"float32"``, ``"float16"``, ``"bfloat16"``, ``"int8"``: :mod:`kvgen.cache.precision`); None: the model's
+    dtype. The engine's tokens equal ``generate()``'s with a cache of the same precision
+    (``StaticCache(..., dtype=kv_dtype)``).
     ``pack_weights``: while the engine runs, float32 CPU linear layers keep a copy of their weight in
     oneDNN's layout (:func:`kvgen.models.linear.pack_weights`): steps of 14 rows ran their products
     2.9x faster, 64 rows 1.8x (SmolLM2-135M, AMD EPYC Zen 4), for a second copy of those weights.
@@ -102,6 +105,7 @@ class ContinuousBatchingConfig:
     kv_store: str | None = None
     kv_store_retry: float = 30.0  # seconds between tries to reach Redis again after it failed
     pack_weights: bool = True
+    kv_dtype: str | None = None  # (or a torch.dtype)
 
 
 class QueueFull(RuntimeError):
@@ -135,7 +139,7 @@ class ContinuousBatchingManager:
             model.generation_config).fill_unset()
         self.cache = PagedAttentionCache(model.config, num_blocks=self.config.num_blocks,
                                          block_size=self.config.block_size, max_memory=self.config.max_memory,
-                                         device=model.device, dtype=model.dtype)
+                                         device=model.device, dtype=self.config.kv_dtype or model.dtype)
         windows = {"full_attention": None, "sliding_attention": model.config.get("sliding_window")}
         self.pools = {kind: (BlockPool(self.cache.num_blocks, self.config.block_size), windows[kind])
                       for kind in self.cache.kinds}

@@ -81,8 +81,8 @@ class PrefixStore:
         self.retry_after, self._errors = retry_after, redis.RedisError
         self.layers = list(cache.layers)
         self.block_size = cache.block_size
-        _, kv_heads, _, head_dim = self.layers[0].pool_keys.shape
-        self.block_shape = (len(self.layers), kv_heads, self.block_size, head_dim)
+        _, kv_heads, _, width = self.layers[0].pool_keys.shape  # (width: a stored row, kvgen.cache.precision)
+        self.block_shape = (len(self.layers), kv_heads, self.block_size, width)
         self.identity = {"fingerprint": model_fingerprint(model), "dtype": str(cache.dtype).removeprefix("torch."),
                          "kind": "full_attention", "block_shape": list(self.block_shape)}
         digest = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()[:16]
