@@ -85,6 +85,27 @@ def test_the_paged_pool_takes_the_bytes_of_its_precision():
         PagedAttentionCache(PretrainedConfig(**{**CONFIG, "hidden_size": 64}), num_blocks=4, dtype="int8")
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", STORED, ids=str)
+def test_the_one_pass_store_writes_what_encode_gives(dtype):
+    """kvgen::kv_store_ (PagedLayer.update, StaticLayer.update) against index_copy_ of encode(): the same bits,
+    for rows across 35 decades, a zero row, float16's saturation, ties of int8's rounding, strided rows."""
+    g = torch.Generator().manual_seed(0)
+    for d in (32, 64, 256):
+        x = torch.randn(2, 3, 7, d, generator=g) * torch.logspace(-30, 5, 7)[None, None, :, None]  # (B, H, T, D)
+        x[0, 0, 0], x[0, 1, 1, 0], x[1, 0, 2, 3] = 0.0, 1e6, -7e4
+        x[1, 2, 3] = torch.tensor([0.5, 1.5, 2.5, -0.5] * (d // 4)) * (2.5 / 127)  # codes x.5: rounded to even
+        index = torch.tensor([5, 0, 9, 3, 1, 7, 2])
+        expected = torch.zeros(2, 3, 10, stored_dim(dtype, d), dtype=dtype).index_copy_(2, index, encode(x, dtype))
+        for rows in (x, x.transpose(1, 2).contiguous().transpose(1, 2)):
+            got = torch.zeros_like(expected)
+            torch.ops.kvgen.kv_store_(got, index, rows)
+            assert torch.equal(got.view(torch.uint8 if dtype == torch.int8 else torch.int16),
+                               expected.view(torch.uint8 if dtype == torch.int8 else torch.int16)), d
+    with pytest.raises(RuntimeError, match="slot 10 is outside"):
+        torch.ops.kvgen.kv_store_(expected, torch.tensor([0, 1, 2, 3, 4, 5, 10]), x)
+
+
 # -- attention reads them as stored -------------------------------------------------------------------------
 
 

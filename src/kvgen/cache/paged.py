@@ -29,7 +29,7 @@ import re
 import torch
 
 from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
-from kvgen.cache.precision import encode, kv_dtype, stored_dim
+from kvgen.cache.precision import kv_dtype, store, stored_dim
 
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
 
@@ -87,8 +87,8 @@ class PagedLayer(CacheLayer):
         """Write ``key``/``value`` (1, Hkv, T, D) at this pass's slots, in the pool's precision; return the pool's
         slots in use (as stored: :mod:`kvgen.cache.precision`)."""
         slots, positions = self.owner.steps[self.kind]
-        self.pool_keys.index_copy_(2, slots, encode(key, self.pool_keys.dtype))
-        self.pool_values.index_copy_(2, slots, encode(value, self.pool_values.dtype))
+        store(self.pool_keys, slots, key)
+        store(self.pool_values, slots, value)
         used = positions.shape[1]
         return self.pool_keys[:, :, :used], self.pool_values[:, :, :used]
 

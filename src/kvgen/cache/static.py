@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.cache.base import Cache, CacheLayer, config_value, fixed_address, layer_kind, operation, text_config
-from kvgen.cache.precision import encode, kv_dtype, stored_dim
+from kvgen.cache.precision import kv_dtype, store, stored_dim
 from kvgen.cache.registry import register_cache
 
 
@@ -84,8 +84,8 @@ class StaticLayer(CacheLayer):
                            torch.device(self.device) if self.device is not None else key.device,
                            self.dtype or key.dtype)
         end = self._filled_end(cache_position)
-        self._k.index_copy_(2, cache_position, encode(key, self._k.dtype))
-        self._v.index_copy_(2, cache_position, encode(value, self._v.dtype))
+        store(self._k, cache_position, key)
+        store(self._v, cache_position, value)
         torch.maximum(self._seen, cache_position[-1:] + 1, out=self._seen)
         return self._k[:, :, :end], self._v[:, :, :end]
 

@@ -10,7 +10,9 @@ The sources are split by idea, as llama.cpp's CPU backend is:
   (AVX-512 VNNI) and for ``vpmaddubsw`` (AVX2 without it);
 * ``dot.h``, ``dot.cpp``, ``dot2.h``, ``amx.h``: the matrix products (rows, tiles, integer dot products: AVX-512
   VNNI, AVX2, Intel's tile unit);
-* ``attention.h``, ``attention.cpp``: attention over dense and paged keys and values;
+* ``kv_rows.h``, ``kv_rows.cpp``: how a KV cache stores keys and values (float32, float16, bfloat16, int8 rows
+  with their scales), rows turned into float32 and back;
+* ``attention.h``, ``attention.cpp``: attention over dense and paged keys and values, read as stored;
 * ``layer.h``, ``layer.cpp``: norms, rotary, the gated MLP, a decode step's stack of layers;
 * ``sampling.h``, ``sampling.cpp``: a grammar's bitmask of allowed tokens applied to logits;
 * ``ops.cpp``: the torch ops (``torch.ops.kvgen.*``), the only file that knows torch's tensors.

@@ -102,34 +102,6 @@ __attribute__((noinline)) void tile_scores(const float* qt, int64_t Rp, const fl
   }
 }
 
-// one stored row of D values (format f; D a multiple of 32 for Q8, of 16 else) as float32
-void to_float(KvFormat f, const char* row, int64_t D, float* out) {
-  if (f == KvFormat::F32) {
-    std::memcpy(out, row, D * sizeof(float));
-  } else if (f == KvFormat::F16) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
-#if defined(__F16C__)
-    for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(out + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + d))));
-#else
-    for (int64_t d = 0; d < D; ++d) out[d] = half_to_float(h[d]);
-#endif
-  } else if (f == KvFormat::BF16) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(row);
-    for (int64_t d = 0; d < D; ++d) {  // a bfloat16 is a float32's upper half
-      const uint32_t bits = (uint32_t)h[d] << 16;
-      std::memcpy(out + d, &bits, 4);
-    }
-  } else {  // Q8: D codes, then D / 32 scales
-    const int8_t* code = reinterpret_cast<const int8_t*>(row);
-    for (int64_t g = 0; g < D / 32; ++g) {
-      float scale;
-      std::memcpy(&scale, row + D + 4 * g, 4);
-      for (int64_t i = 32 * g; i < 32 * g + 32; ++i) out[i] = (float)code[i] * scale;
-    }
-  }
-}
-
 // the sums of 4 vectors' lanes
 inline void sum4(const vn* x, float* out) {
 #if defined(__AVX2__)
@@ -295,7 +267,7 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
       return reinterpret_cast<const float*>(base) + s0 * stride;
     }
     const int64_t n = std::min(TILE, S - s0);
-    for (int64_t s = 0; s < n; ++s) to_float(a.kv, base + (s0 + s) * stride * esz, D, buf + s * D);
+    for (int64_t s = 0; s < n; ++s) kv_decode(a.kv, base + (s0 + s) * stride * esz, D, buf + s * D);
     std::fill(buf + n * D, buf + TILE * D, 0.0f);
     rs = D;
     return buf;

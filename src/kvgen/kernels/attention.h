@@ -12,6 +12,8 @@
 #include <memory>
 #include <vector>
 
+#include "kv_rows.h"
+
 namespace kvgen {
 
 constexpr int64_t TILE = 16;  // keys a tile: the mask's, the plan's and the kernels' unit
@@ -23,20 +25,9 @@ struct RowBlock {
   std::vector<int32_t> tiles;
 };
 
-// How keys and values are stored: float32, float16, bfloat16, or Q8 rows (a position's D values of a head as D
-// int8 codes, then D / 32 float32 scales, one per 32 codes: value = code * scale, as llama.cpp's q8_0 KV cache).
-// Attention reads each as it is stored, a 16-key tile at a time turned into float32 in the thread's scratch.
-enum class KvFormat : int32_t { F32 = 0, F16 = 1, BF16 = 2, Q8 = 3 };
-
-// bytes of one stored element of format f (Q8: a byte of its rows; strides count these)
-constexpr int64_t kv_element_bytes(KvFormat f) { return f == KvFormat::F32 ? 4 : f == KvFormat::Q8 ? 1 : 2; }
-
-// stored elements of one position's head of D values
-constexpr int64_t kv_row_elements(KvFormat f, int64_t D) { return f == KvFormat::Q8 ? D + D / 8 : D; }
-
 struct AttentionArgs {
   const float* q;
-  const void *k, *v;                           // stored as kv says
+  const void *k, *v;                           // stored as kv says (kv_rows.h); read a 16-key tile at a time
   int64_t q0, q1, q2, k0, k1, k2, v0, v1, v2;  // strides of batch, head, position (k, v: in stored elements)
   const uint8_t* mask;                         // (MB, T, S) or null: all allowed
   int64_t T, S, H, G, D;

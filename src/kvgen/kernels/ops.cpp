@@ -16,7 +16,9 @@
 
 #include "attention.h"
 #include "dot.h"
+#include "kv_rows.h"
 #include "layer.h"
+#include "parallel.h"
 #include "sampling.h"
 
 namespace kvgen {
@@ -160,6 +162,35 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                            out.data_ptr<float>(), kv};
   attend(plan, args);
   return out.transpose(1, 2);
+}
+
+// buffer (B, H, slots, W), stored as its dtype says (kv_format), x (B, H, T, D) float32, index (T,) int64:
+// buffer[:, :, index[t]] = x[:, :, t]'s stored rows (buffer.index_copy_(2, index, kvgen.cache.precision.encode(x))
+// in one pass, the same bits for finite values)
+void kv_store_op(at::Tensor& buffer, const at::Tensor& index, const at::Tensor& x) {
+  TORCH_CHECK(buffer.dim() == 4 && x.dim() == 4 && x.scalar_type() == at::kFloat && x.size(0) == buffer.size(0) &&
+              x.size(1) == buffer.size(1) && buffer.stride(3) == 1 && x.stride(3) == 1,
+              "kvgen: kv_store_ takes a (B, H, slots, W) buffer and float32 (B, H, T, D) rows, the last dims contiguous");
+  const KvFormat f = kv_format(buffer.scalar_type());
+  const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), slots = buffer.size(2);
+  TORCH_CHECK((f != KvFormat::Q8 || D % 32 == 0) && buffer.size(3) == kv_row_elements(f, D), "kvgen: kv_store_: ",
+              buffer.scalar_type(), " rows of ", D, " values are ", kv_row_elements(f, D), " wide, not ", buffer.size(3));
+  const at::Tensor idx = index.contiguous();
+  TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1 && idx.size(0) == T,
+              "kvgen: kv_store_ takes one int64 slot per position (", T, ")");
+  const int64_t* slot = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(0 <= slot[t] && slot[t] < slots, "kvgen: kv_store_: slot ", slot[t], " is outside the buffer's ", slots);
+  const int64_t esz = kv_element_bytes(f);
+  char* out = static_cast<char*>(buffer.data_ptr());
+  const float* in = x.data_ptr<float>();
+  parallel_for(0, B * H * T, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / (H * T), h = r / T % H, t = r % T;
+      kv_encode(f, in + b * x.stride(0) + h * x.stride(1) + t * x.stride(2), D,
+                out + (b * buffer.stride(0) + h * buffer.stride(1) + slot[t] * buffer.stride(2)) * esz);
+    }
+  });
 }
 
 const float* data_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
@@ -469,6 +500,7 @@ TORCH_LIBRARY(kvgen, m) {
         "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
   m.def("gated_activation(Tensor gate_up, int act) -> Tensor");
   m.def("mask_refused_(Tensor(a!) logits, Tensor allowed) -> ()");
+  m.def("kv_store_(Tensor(a!) buffer, Tensor index, Tensor x) -> ()");
   m.def("decoder_stack(float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, "
         "Tensor?[] k_norms, Tensor[] qkv, int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, "
         "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, "
@@ -492,4 +524,5 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("decoder_layers", kvgen::decoder_layers_op);
   m.impl("gated_activation", kvgen::gated_activation_op);
   m.impl("mask_refused_", kvgen::mask_refused_op);
+  m.impl("kv_store_", kvgen::kv_store_op);
 }
