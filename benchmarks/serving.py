@@ -16,12 +16,16 @@ with a cache of that precision. Each part runs in a fresh process (its peak RSS 
 * ``latency``: one client, then 16 clients (closed loop) with ``max_batch_tokens`` 64, 48 and 32:
   p99 inter-token latency against a single request's decode step, and what each budget costs in
   output tokens/s.
-* ``offline``: the same 16 requests, 128 new tokens each: kvgen ``generate_batch``,
-  kvgen ``generate()`` one request at a time, transformers ``generate_batch``.
+* ``offline``: the same 16 requests, 128 new tokens each: kvgen ``generate_batch`` (its default token budget,
+  256 a step: throughput, not latency, is what an offline batch asks), kvgen ``generate()`` one request at a
+  time, transformers ``generate_batch``.
 * ``prefix``: a 2,000-token shared system prompt: time to first token of the first request
   and of a second request with the same system prompt and another question.
 * ``exactness``: 64 prompts (50-1,000 tokens, 64 new tokens, greedy) submitted together with
   staggered arrivals, compared token by token with ``generate()`` on each prompt alone.
+* ``nanovllm``: nano-vllm's benchmark workload: 256 requests (16 with ``--quick``) of 100-1,024 random token ids
+  and 100-1,024 new tokens each, no end of sequence, all submitted at once: output tok/s, time to first token,
+  inter-token latency p50/p99, peak memory.
 * ``http``: the closed-loop sweep again, through HTTP with the official ``openai`` client
   (streaming ``/v1/completions``, the KJV windows as text, ``ignore_eos``), against servers
   started in their own processes with the same threads: ``kvgen serve`` on the float32 folder
@@ -64,7 +68,7 @@ from vs_llamacpp import _cpu as cpu  # noqa: E402
 from vs_llamacpp import llama_cpp_tool  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PARTS = ("offline", "sweep", "latency", "prefix", "exactness", "http")
+PARTS = ("offline", "sweep", "latency", "prefix", "exactness", "nanovllm", "http")
 LATENCY_BUDGETS = (64, 48, 32)  # max_batch_tokens tried by the latency part
 HTTP_SYSTEMS = ("kvgen", "transformers", "kvgen-gguf", "llama.cpp")
 
@@ -191,8 +195,7 @@ def worker_offline(args, model, tokenizer, system: str) -> dict:
     elif system == "kvgen":
         from kvgen.serving import ContinuousBatchingConfig
 
-        config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
-                                          max_num_seqs=16, kv_dtype=args.kv_dtype)
+        config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_num_seqs=16, kv_dtype=args.kv_dtype)
         outputs = model.generate_batch(prompts, max_new_tokens=args.offline_new, eos_token_id=[],
                                        continuous_batching_config=config)
         assert all(len(o.generated_tokens) == args.offline_new for o in outputs.values())
@@ -252,6 +255,30 @@ def worker_prefix(args, model, tokenizer) -> dict:
             out.append({"ttft_ms": round(1000 * first, 1), "cached_prompt_tokens": output.cached_prompt_tokens,
                         "prompt_tokens": len(system + q)})
     return {"requests": out, "ttft_ratio_first_over_second": round(out[0]["ttft_ms"] / out[1]["ttft_ms"], 2)}
+
+
+def worker_nanovllm(args, model, tokenizer) -> dict:
+    """nano-vllm's benchmark: ``args.nano_requests`` requests of 100-1,024 random token ids and 100-1,024 new tokens
+    each (no end of sequence), all submitted at once."""
+    import torch
+
+    from kvgen.bench import peak_rss_mb
+    from kvgen.serving import ContinuousBatchingConfig
+
+    rng = random.Random(0)
+    vocab = model.config.vocab_size
+    requests = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
+                for _ in range(args.nano_requests)]
+    gpu = args.device.startswith("cuda")
+    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_num_seqs=args.nano_requests,
+                                      max_batch_tokens=16384 if gpu else 256, kv_dtype=args.kv_dtype)
+    with model.init_continuous_batching(continuous_batching_config=config) as manager:
+        run_load(manager, [(p[:50], 4) for p, _ in requests[:2]], concurrency=2)  # warm-up
+        out = run_load(manager, requests, arrivals=[0.0] * len(requests))
+    out["peak_rss_mb"] = round(peak_rss_mb())
+    if gpu:
+        out["peak_gpu_memory_mb"] = round(torch.cuda.max_memory_allocated() / 2 ** 20)
+    return out
 
 
 def worker_exactness(args, model, tokenizer) -> dict:
@@ -428,7 +455,8 @@ def part_http(args, in_process: dict | None, previous: dict | None) -> dict:
                             workload(text, max(args.min_requests, c), args.prompt, args.new, seed=c)]
                 levels[str(c)] = run_http_load(server.url, model, system, requests, c)
                 print(f"{system} concurrency {c}: {levels[str(c)]}", flush=True)
-            out[system] = {"closed_loop": levels, "peak_rss_mb": round(server.peak_rss_mb())}
+            out[system] = {"closed_loop": levels, "peak_rss_mb": round(server.peak_rss_mb()),
+                           **({"kv_dtype": args.kv_dtype} if system.startswith("kvgen") else {})}
         finally:
             server.close()
     at = "16" if 16 in args.concurrency else str(args.concurrency[-1])
@@ -575,6 +603,7 @@ def main() -> None:
     args.min_requests = 8 if args.quick else 16
     args.offline_new = 32 if args.quick else 128
     args.exact_requests = 16 if args.quick else 64
+    args.nano_requests = 16 if args.quick else 256
     args.kv_memory, args.max_batch_tokens = "2GiB", 64
     args.http_systems = args.systems
     if args.worker:
@@ -588,7 +617,6 @@ def main() -> None:
     results = json.loads(path.read_text()) if path.exists() else {}
     results.update({"cpu": cpu(), "device": device_name(args.device), "random_weights": args.random_weights,
                     "threads": args.threads, "quick": args.quick, "load_before": os.getloadavg()[0],
-                    "kvgen_weights": "gguf" if args.gguf else "float32", "kv_dtype": args.kv_dtype,
                     "max_batch_tokens": args.max_batch_tokens, "prompt_tokens": args.prompt, "new_tokens": args.new})
     for part in args.parts:
         if part == "offline":
@@ -607,6 +635,8 @@ def main() -> None:
         else:
             results[part] = spawn(args, part)
             results[part]["quick"] = args.quick
+        if part != "http":  # (the http part says it per server)
+            results[part].update(kv_dtype=args.kv_dtype, kvgen_weights="gguf" if args.gguf else "float32")
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
     chart(results, args.out / "serving.png")

@@ -116,9 +116,9 @@ def test_attention_over_stored_keys_is_attention_over_their_decoded_floats(dtype
     (identical by construction). Shapes: decode rows and prefill rows, grouped heads, a last tile cut short,
     masked and unmasked, a soft-cap; and within float32 rounding of SDPA on the decoded floats."""
     g = torch.Generator().manual_seed(0)
-    for b, heads, kv_heads, t, s, d, masked, cap in [(2, 6, 3, 1, 37, 64, True, 0.0), (1, 8, 2, 5, 300, 128, True, 0.0),
-                                                     (1, 4, 1, 40, 203, 256, True, 30.0), (2, 4, 4, 1, 1000, 64, False, 0.0),
-                                                     (1, 2, 1, 70, 70, 32, False, 0.0)]:
+    shapes = [(2, 6, 3, 1, 37, 64, True, 0.0), (1, 8, 2, 5, 300, 128, True, 0.0), (1, 4, 1, 40, 203, 256, True, 30.0),
+              (2, 4, 4, 1, 1000, 64, False, 0.0), (1, 2, 1, 70, 70, 32, False, 0.0)]
+    for b, heads, kv_heads, t, s, d, masked, cap in shapes:  # (B, H, Hkv, T, S, D, a mask, the soft-cap)
         q = torch.randn(b, heads, t, d, generator=g)
         k, v = torch.randn(b, kv_heads, s, d, generator=g), torch.randn(b, kv_heads, s, d, generator=g) * 3
         mask = torch.rand(b, 1, t, s, generator=g) < 0.6 if masked else None

@@ -29,13 +29,14 @@ _FLOAT16_MAX = 65504.0
 
 
 def kv_dtype(value: str | torch.dtype) -> torch.dtype:
-    """The storage dtype named by ``value`` (a name of :data:`KV_DTYPES` or one of its dtypes).
+    """The storage dtype named by ``value`` (a name of :data:`KV_DTYPES`, or a dtype: those and any other float
+    dtype a model may compute in, stored as it is).
 
     Example:
         >>> kv_dtype("float16")
         torch.float16
     """
-    if isinstance(value, torch.dtype) and value in KV_DTYPES.values():
+    if isinstance(value, torch.dtype) and (value in KV_DTYPES.values() or value.is_floating_point):
         return value
     if isinstance(value, str) and value.removeprefix("torch.") in KV_DTYPES:
         return KV_DTYPES[value.removeprefix("torch.")]

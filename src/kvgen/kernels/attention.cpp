@@ -1,6 +1,7 @@
 // kvgen::attention(q, k, v, mask?, scale, softcap): q (B, H, T, D), k and v (B, Hkv, S, D) (any
 // strides, the last dim contiguous, D a multiple of 16, H a multiple of Hkv: the G = H / Hkv query
-// heads of a group share one key head), mask: bool (B or 1, 1, T, S), True where allowed, or
+// heads of a group share one key head; k and v stored as float32, float16, bfloat16 or Q8 rows of
+// kv_rows.h, each tile of them turned into float32 in the thread's scratch where it is not float32), mask: bool (B or 1, 1, T, S), True where allowed, or
 // none (all allowed). softcap > 0: scores become tanh(s / softcap) * softcap. The output is
 // (B, T, H, D). A query row that allows no key gets zeros (SDPA gives NaN there); callers never use such rows.
 //
@@ -301,7 +302,8 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
           if (!direct)
             prefetch(c + AHEAD);  // (stored rows: in a burst)
           else if (sa + TILE <= S)
-            kahead = reinterpret_cast<const float*>(kb) + sa * a.k2, vaheads[j] = reinterpret_cast<const float*>(vb_) + sa * a.v2;
+            kahead = reinterpret_cast<const float*>(kb) + sa * a.k2,
+            vaheads[j] = reinterpret_cast<const float*>(vb_) + sa * a.v2;
         }
         int64_t ks;
         const float* kt = tile_of(kb, a.k2, s0, w.ktail, ks);
