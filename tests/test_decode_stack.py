@@ -147,8 +147,8 @@ def prefill_with(model, ids, padding, fused: bool, monkeypatch):
 
 
 def test_a_prefill_through_the_fused_ops_gives_the_module_bits(model, monkeypatch):
-    """A prefill of more rows than a decode step (2 x 16: int8 rows take kvgen::qmatmul up to QMATMUL_ROWS rows, 32
-    with AVX2 and 64 with AVX-512, as the fused ops do) runs the fused attention inputs and MLP half of every layer,
+    """A prefill of more rows than a decode step (2 x 16: int8 rows take kvgen::qmatmul up to QMATMUL_ROWS rows,
+    as the fused ops do) runs the fused attention inputs and MLP half of every layer,
     with the modules' bits."""
     from kvgen.models.quantized_linear import QMATMUL_ROWS
 
