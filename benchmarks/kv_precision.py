@@ -26,12 +26,14 @@ from pathlib import Path
 
 import torch
 
+from kvgen.cache.precision import KV_DTYPES
+
 sys.path.insert(0, str(Path(__file__).parent))
 from quantized_quality import kjv_ids, perplexity  # noqa: E402
 from vs_llamacpp import _cpu, _cpu_flags  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-DTYPES = ("float32", "float16", "bfloat16", "int8")
+DTYPES = tuple(KV_DTYPES)
 
 
 def decode_rate(model, prompts: list[list[int]], dtype: str, new: int = 96) -> float:

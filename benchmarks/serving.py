@@ -62,6 +62,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvgen.cache.precision import KV_DTYPES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quantized_quality import kjv_ids  # noqa: E402
 from vs_llamacpp import _cpu as cpu  # noqa: E402
@@ -299,14 +301,13 @@ def worker_exactness(args, model, tokenizer) -> dict:
             time.sleep(0.05)  # staggered arrivals
         batched = [manager.get_result(rid, timeout=3600).generated_tokens for rid in ids]
     differing = []
-    kv = {"dtype": args.kv_dtype}  # generate() with keys and values stored as the engine's pool stores them
 
-    def static(length: int):
+    def static(length: int):  # keys and values stored as the engine's pool stores them
         return kvgen.StaticCache(config=model.config, max_cache_len=length, dtype=kv_dtype(args.kv_dtype))
 
     for i, ((prompt, new), got) in enumerate(zip(requests, batched)):
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, eos_token_id=None,
-                             cache_implementation="static", cache_config=kv)
+                             past_key_values=static(len(prompt) + new))
         ref = ref[0, len(prompt):].tolist()
         if ref != got:
             at = next(j for j, (a, b) in enumerate(zip(ref, got)) if a != b)
@@ -593,7 +594,7 @@ def main() -> None:
                         help="--model's config and tokenizer with random weights (a host without its weights)")
     parser.add_argument("--gguf", action="store_true",
                         help="kvgen's in-process parts run the packaged GGUF in its stored types (not the float32 folder)")
-    parser.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16", "int8"],
+    parser.add_argument("--kv-dtype", default="float16", choices=list(KV_DTYPES),
                         help="how kvgen's engine and servers store keys and values (default: kvgen serve's)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of serving.json and serving.png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)

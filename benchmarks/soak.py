@@ -139,7 +139,7 @@ def references(model: str, count: int) -> tuple[list[tuple[list[int], list[str]]
 
     rng = random.Random(0)
     lm, tokenizer = kvgen.AutoModelForCausalLM.from_pretrained(model), kvgen.AutoTokenizer.from_pretrained(model)
-    kv = {"dtype": serving_kv_dtype(lm) or lm.dtype}  # the server's KV precision: its tokens are generate()'s with it
+    kv = {"dtype": serving_kv_dtype(lm)}  # the server's KV precision: its tokens are generate()'s with it
     out = []
     for _ in range(count):
         ids = tokenizer(" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))).capitalize())["input_ids"]

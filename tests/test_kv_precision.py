@@ -206,7 +206,7 @@ def test_kvgen_serve_stores_keys_as_asked_and_answers_as_generate_does(gguf):
     from kvgen.cli import serving_kv_dtype
 
     model, tokenizer = gguf
-    assert serving_kv_dtype(model) == "float16"  # the default for stored-precision weights on the CPU
+    assert serving_kv_dtype(model) == torch.float16  # the default for stored-precision weights on the CPU
     prompt = tokenizer("The river ran under the old bridge, and")["input_ids"]
     server = Server(default_gguf_path(), "--kv-dtype", "int8", "--kv-cache-memory", "64MB", "-t", "2")
     try:

@@ -26,7 +26,6 @@ import torch
 
 import kvgen
 from kvgen import LlamaForCausalLM, PretrainedConfig
-from kvgen.cache.precision import kv_dtype
 from kvgen.cli import serving_kv_dtype
 from kvgen.loading.checkpoint import save_safetensors_checkpoint
 from kvgen.loading.default_model import default_gguf_path
@@ -65,7 +64,7 @@ def reference(tiny):
     (the engine's contract: its tokens are generate()'s with keys and values stored alike)."""
     model = kvgen.AutoModelForCausalLM.from_pretrained(tiny)
     tokenizer = kvgen.AutoTokenizer.from_pretrained(tiny)
-    kv = {"dtype": kv_dtype(serving_kv_dtype(model) or model.dtype)}
+    kv = {"dtype": serving_kv_dtype(model)}
 
     def expected(prompt: str | list[dict], max_tokens: int) -> str:
         ids = (tokenizer(prompt)["input_ids"] if isinstance(prompt, str)

@@ -343,12 +343,13 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def serving_kv_dtype(model) -> str | None:
-    """``kvgen serve``'s KV precision unless ``--kv-dtype`` says: float16 for a float32 model on the CPU (its
-    attention reads half the bytes, perplexity within 0.01% of float32's on the KJV), else the model's dtype."""
+def serving_kv_dtype(model):
+    """``kvgen serve``'s KV precision (a torch dtype) unless ``--kv-dtype`` says: float16 for a float32 model on the
+    CPU (its attention reads half the bytes, perplexity within 0.01% of float32's on the KJV), else the model's
+    dtype."""
     import torch
 
-    return "float16" if model.device.type == "cpu" and model.dtype == torch.float32 else None
+    return torch.float16 if model.device.type == "cpu" and model.dtype == torch.float32 else model.dtype
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -113,16 +113,22 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   return y;
 }
 
-// how keys and values of dtype t are stored (int8: Q8 rows, attention.h)
+// how keys and values of dtype t are stored (int8: Q8 rows, kv_rows.h)
 KvFormat kv_format(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return KvFormat::F32;
     case at::kHalf: return KvFormat::F16;
     case at::kBFloat16: return KvFormat::BF16;
     case at::kChar: return KvFormat::Q8;
-    default: TORCH_CHECK(false, "kvgen: attention reads keys and values stored as float32, float16, bfloat16 or int8 ",
-                         "rows, not ", t);
+    default: TORCH_CHECK(false, "kvgen: keys and values are stored as float32, float16, bfloat16 or int8 rows, not ", t);
   }
+}
+
+// stored elements of a row of D values in format f (Q8 rows take D a multiple of 32)
+int64_t kv_row_width(KvFormat f, int64_t D) {
+  TORCH_CHECK(f != KvFormat::Q8 || D % 32 == 0, "kvgen: int8 keys and values take a scale per 32 values, not rows of ",
+              D);
+  return kv_row_elements(f, D);
 }
 
 // q (B, H, T, D), k and v (B, Hkv, S, D), mask: bool (B or 1, 1, T, S) or none -> (B, H, T, D) as a view of (B, T,
@@ -135,11 +141,9 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
   const KvFormat kv = kv_format(k.scalar_type());
   TORCH_CHECK(v.scalar_type() == k.scalar_type(), "kvgen: attention's keys and values are stored alike, not as ",
               k.scalar_type(), " and ", v.scalar_type());
-  TORCH_CHECK(D % 16 == 0 && (kv != KvFormat::Q8 || D % 32 == 0) && q.stride(3) == 1 && k.stride(3) == 1 &&
-              v.stride(3) == 1 && H % Hkv == 0,
-              "kvgen: attention needs a head size that is a multiple of 16 (of 32 for int8 keys and values) and "
-              "contiguous heads");
-  const int64_t width = kv_row_elements(kv, D);
+  TORCH_CHECK(D % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && H % Hkv == 0,
+              "kvgen: attention needs a head size that is a multiple of 16 and contiguous heads");
+  const int64_t width = kv_row_width(kv, D);
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && v.size(1) == Hkv && v.size(2) == S && k.size(3) == width &&
               v.size(3) == width, "kvgen: attention's keys and values must be (B, Hkv, S, ", width, ")",
               kv == KvFormat::Q8 ? " (int8 rows: D codes and D / 32 float32 scales)" : "");
@@ -173,8 +177,9 @@ void kv_store_op(at::Tensor& buffer, const at::Tensor& index, const at::Tensor& 
               "kvgen: kv_store_ takes a (B, H, slots, W) buffer and float32 (B, H, T, D) rows, the last dims contiguous");
   const KvFormat f = kv_format(buffer.scalar_type());
   const int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3), slots = buffer.size(2);
-  TORCH_CHECK((f != KvFormat::Q8 || D % 32 == 0) && buffer.size(3) == kv_row_elements(f, D), "kvgen: kv_store_: ",
-              buffer.scalar_type(), " rows of ", D, " values are ", kv_row_elements(f, D), " wide, not ", buffer.size(3));
+  const int64_t width = kv_row_width(f, D);
+  TORCH_CHECK(buffer.size(3) == width, "kvgen: kv_store_: ", buffer.scalar_type(), " rows of ", D, " values are ",
+              width, " wide, not ", buffer.size(3));
   const at::Tensor idx = index.contiguous();
   TORCH_CHECK(idx.scalar_type() == at::kLong && idx.dim() == 1 && idx.size(0) == T,
               "kvgen: kv_store_ takes one int64 slot per position (", T, ")");
