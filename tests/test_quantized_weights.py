@@ -341,7 +341,7 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
     weight rows per instruction, the same exact integer sums as the vpdpbusd products of 1-8 rows, combined by the
     same code (add_group). So a 35-row product (two tiles of 16 rows and 3 more) equals its rows taken 8 at a time,
     bit for bit, by construction; on CPUs without AMX, the 16-row vpdpbusd products equal the 8-row ones the same
-    way. On a CPU with AMX, Linux's permission must have been granted (else every prefill silently runs ~1.3x
+    way, and so do the products of one row. On a CPU with AMX, Linux's permission must have been granted (else every prefill silently runs ~1.3x
     slower)."""
     from kvgen.kernels import tile_formats
 
@@ -359,6 +359,9 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
     many = torch.ops.kvgen.qmatmul(x, [data], [format])
     few = torch.cat([torch.ops.kvgen.qmatmul(x[i:i + 8].contiguous(), [data], [format]) for i in range(0, 35, 8)])
     assert torch.equal(many, few)
+    # one row at a time (a decode step's product: AVX2 has its own loop for Q4_K's) gives the same bits as well
+    one = torch.cat([torch.ops.kvgen.qmatmul(x[i:i + 1].contiguous(), [data], [format]) for i in range(35)])
+    assert torch.equal(one, few)
     reference = x.double() @ rows.dequantize().double().T
     assert ((many.double() - reference).abs() <= 1e-5 * (x.double().abs() @ rows.dequantize().double().abs().T)).all()
 
