@@ -359,7 +359,7 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
     many = torch.ops.kvgen.qmatmul(x, [data], [format])
     few = torch.cat([torch.ops.kvgen.qmatmul(x[i:i + 8].contiguous(), [data], [format]) for i in range(0, 35, 8)])
     assert torch.equal(many, few)
-    # one row at a time (a decode step's product: AVX2 has its own loop for Q4_K's) gives the same bits as well
+    # one row at a time (a decode step's product: AVX2 has its own loops for Q4_K and Q6_K) gives the same bits
     one = torch.cat([torch.ops.kvgen.qmatmul(x[i:i + 1].contiguous(), [data], [format]) for i in range(35)])
     assert torch.equal(one, few)
     reference = x.double() @ rows.dequantize().double().T

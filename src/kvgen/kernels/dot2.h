@@ -149,6 +149,75 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
   }
 }
 
+// The same for Q6_K (the output head and half the down products of a Q4_K_M file): a group of 16 values at a time, each
+// level's products summed in int16 over 2 quads (2 * 2 * 63 * 127 fit), the 12 runs of a chunk permuted once for its 4
+// groups and kept on the stack
+__attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
+                                                     int64_t t1, float* y) {
+  constexpr int64_t TB = 16 * Q6_K::BYTES;
+  const int64_t K = x.K, nb = K / Q6_K::QK;
+  const int8_t* levels = x.levels.data() + r0 * 3 * K;
+  const __m256i n15 = _mm256_set1_epi8(15), n3 = _mm256_set1_epi8(3);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * nb * TB;
+    Lanes acc{{_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = tile + b * TB;
+      for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(blk + 4096 + l);
+      const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+      const vf dd = f16_fields(&bits);
+      for (int h = 0; h < 2; ++h)
+        // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: runs 128 + 32 h + l
+        for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + 16 k + l for l in 0..15: group 8 h + 2 s + k
+          Quads q[2][4], hb[4];
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j) {
+            const int l = 16 * k + 4 * j;
+            q[0][j] = by_row(blk + 16 * (64 * h + l));
+            q[1][j] = by_row(blk + 16 * (64 * h + 32 + l));
+            hb[j] = by_row(blk + 16 * (128 + 32 * h + l));
+          }
+          for (int s = 0; s < 4; ++s) {
+            const __m128i low_shift = _mm_cvtsi32_si128(4 * (s / 2)), high_shift = _mm_cvtsi32_si128(2 * s);
+            __m256i part[3][2], sum[2];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; ++j) {
+              __m256i u[2];
+              for (int i = 0; i < 2; ++i)  // low 4 bits | top 2 bits << 4
+                u[i] = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srl_epi16(q[s % 2][j].h[i], low_shift), n15),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb[j].h[i], high_shift), n3), 4));
+              const int8_t* xq = levels + b * Q6_K::QK + 128 * h + 32 * s + 16 * k + 4 * j;
+#pragma GCC unroll 3
+              for (int l = 0; l < 3; ++l) {
+                int32_t quad;
+                std::memcpy(&quad, xq + l * K, 4);
+                const __m256i xb = _mm256_set1_epi32(quad);
+                for (int i = 0; i < 2; ++i) {
+                  const __m256i p = _mm256_maddubs_epi16(u[i], xb);
+                  part[l][i] = j % 2 == 0 ? p : _mm256_add_epi16(part[l][i], p);
+                }
+              }
+              if (j % 2 == 1)
+                for (int i = 0; i < 2; ++i) {  // the levels weighed by 2^14, 2^7, 1
+                  const __m256i s2 = _mm256_add_epi32(
+                      _mm256_add_epi32(_mm256_madd_epi16(part[0][i], _mm256_set1_epi16(1 << 14)),
+                                       _mm256_madd_epi16(part[1][i], _mm256_set1_epi16(1 << 7))),
+                      _mm256_madd_epi16(part[2][i], _mm256_set1_epi16(1)));
+                  sum[i] = j == 1 ? s2 : _mm256_add_epi32(sum[i], s2);
+                }
+            }
+            const vf dg = dd * tof((vsb)load16(blk + 16 * (192 + 8 * h + 2 * s + k)));
+            add_group<16>(acc, sum, to_quads(dg), to_quads(dg * -32.0f), x, r0,
+                          b * Q6_K::QK + 128 * h + 32 * s + 16 * k);
+          }
+        }
+    }
+    _mm256_storeu_ps(y + 16 * t, _mm256_permute2f128_ps(acc.h[0], acc.h[1], 0x20));
+    _mm256_storeu_ps(y + 16 * t + 8, _mm256_permute2f128_ps(acc.h[0], acc.h[1], 0x31));
+  }
+}
+
 // y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input
 template <class T, int R>
 __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
@@ -160,6 +229,7 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
   constexpr int16_t LEVEL[3] = {1 << 14, 1 << 7, 1};  // the levels' weights in X
   const int64_t K = x.K, nb = K / QK;
   if constexpr (R == 1 && std::is_same_v<T, Q4_Kx16>) return matmul_q4k_row(x, r0, w, t0, t1, y);
+  if constexpr (R == 1 && std::is_same_v<T, Q6_Kx16>) return matmul_q6k_row(x, r0, w, t0, t1, y);
   const int8_t* levels = x.levels.data() + r0 * 3 * K;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * nb * TB;
