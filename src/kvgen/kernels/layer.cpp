@@ -113,17 +113,14 @@ void rms_rows(const float* x, const float* w, int64_t rows, int64_t D, double ep
   });
 }
 
-// The heads of a fused q/k/v product's rows (B * T rows of (H + 2 Hkv) D values): optional RMSNorm
-// of each query / key head (Qwen3, Gemma 3), rotary on the query and key heads (cos/sin (B * T, D),
-// sin's first half negated: rotated = x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary),
-// written to q, k and v; heads h0 .. h1 - 1 of the product's H + 2 Hkv.
-void rotate_heads(const float* src, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* cp,
-                  const float* sp, const float* qn, const float* kn, double head_eps, double offset, Heads q, Heads k,
-                  Heads v, int64_t h0, int64_t h1) {
+// The heads of a fused q/k/v product's rows: layer.h
+void rotate_heads(const float* src, const float* bias, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                  const float* cp, const float* sp, const float* qn, const float* kn, double head_eps, double offset,
+                  Heads q, Heads k, Heads v, int64_t h0, int64_t h1) {
   const int64_t runs = D / 16, half = runs / 2, width = (H + 2 * Hkv) * D;
   // rows in parallel (a prefill's; a decode step's few rows stay on this thread)
   parallel_for(0, B * T, std::max<int64_t>(1, 4096 / width), [&](int64_t r0, int64_t r1) {
-    std::vector<float> normed(D);
+    std::vector<float> normed(D), biased(D);
     for (int64_t bt = r0; bt < r1; ++bt) {
       const int64_t b = bt / T, t = bt % T;
       const float *row = src + bt * width, *cr = cp + bt * D, *sr = sp + bt * D;
@@ -132,6 +129,15 @@ void rotate_heads(const float* src, int64_t B, int64_t T, int64_t H, int64_t Hkv
         float* out = h < H ? q.p + b * q.s0 + h * q.s1 + t * q.s2
                    : h < H + Hkv ? k.p + b * k.s0 + (h - H) * k.s1 + t * k.s2
                                  : v.p + b * v.s0 + (h - H - Hkv) * v.s1 + t * v.s2;
+        if (bias != nullptr) {  // the product rounded, then its bias added (as y + bias after the product)
+          float* into = h >= H + Hkv ? out : biased.data();
+          for (int64_t j = 0; j < runs; ++j) {
+            const vf s = loadf(in + 16 * j) + loadf(bias + h * D + 16 * j);
+            std::memcpy(into + 16 * j, &s, 64);
+          }
+          if (h >= H + Hkv) continue;
+          in = biased.data();
+        }
         if (h >= H + Hkv) {
           std::memcpy(out, in, D * sizeof(float));
           continue;
@@ -267,8 +273,8 @@ void decoder_layers(const Stack& w, const float* x0, int64_t B, int64_t T, const
                                                c.mask, T, S, H, H / Hkv, D, (float)l.scale, (float)l.softcap, attn});
         barrier.wait(n);
         const int64_t heads = H + 2 * Hkv, per = (heads + n - 1) / n;
-        rotate_heads(qkv, B, T, H, Hkv, D, cos[c.table], sin[c.table], l.q_norm, l.k_norm, w.head_eps, w.offset,
-                     {q, H * T * D, T * D, D}, {kp + (S - T) * c.k2, c.k0, c.k1, c.k2},
+        rotate_heads(qkv, l.qkv_bias, B, T, H, Hkv, D, cos[c.table], sin[c.table], l.q_norm, l.k_norm, w.head_eps,
+                     w.offset, {q, H * T * D, T * D, D}, {kp + (S - T) * c.k2, c.k0, c.k1, c.k2},
                      {vp + (S - T) * c.v2, c.v0, c.v1, c.v2}, std::min(heads, t * per),
                      std::min(heads, (t + 1) * per));
         barrier.wait(n);

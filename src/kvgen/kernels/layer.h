@@ -24,13 +24,13 @@ struct Heads {
   int64_t s0, s1, s2;
 };
 
-// The heads of a fused q/k/v product's rows (B * T rows of (H + 2 Hkv) D values): optional RMSNorm
-// of each query / key head (Qwen3, Gemma 3), rotary on the query and key heads (cos/sin (B * T, D),
-// sin's first half negated: rotated = x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary),
-// written to q, k and v; heads h0 .. h1 - 1 of the product's H + 2 Hkv.
-void rotate_heads(const float* src, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, const float* cp,
-                  const float* sp, const float* qn, const float* kn, double head_eps, double offset, Heads q, Heads k,
-                  Heads v, int64_t h0, int64_t h1);
+// The heads of a fused q/k/v product's rows (B * T rows of (H + 2 Hkv) D values): the product's bias ((H + 2 Hkv)
+// D values, Qwen2's; or null) added, optional RMSNorm of each query / key head (Qwen3, Gemma 3), rotary on the query
+// and key heads (cos/sin (B * T, D), sin's first half negated: rotated = x * cos + roll(x, D / 2) * sin, as
+// kvgen.rope.apply_rotary), written to q, k and v; heads h0 .. h1 - 1 of the product's H + 2 Hkv.
+void rotate_heads(const float* src, const float* bias, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                  const float* cp, const float* sp, const float* qn, const float* kn, double head_eps, double offset,
+                  Heads q, Heads k, Heads v, int64_t h0, int64_t h1);
 
 // act(g) * u of gate_up = [g, u] (R rows of 2 I) -> (R, I): act 0 SiLU, 1 GELU (tanh)
 void gated_rows(const float* g, int64_t R, int64_t I, int64_t act, float* mp);
@@ -57,7 +57,7 @@ void decoder_mlp(const MlpWeights& w, const float* x, const float* attn, int64_t
 // kvgen::decoder_layers, rather than the ~300 tensors of SmolLM2's 30 layers converted from Python
 // lists and checked at every call.
 struct StackLayer {
-  const float *input_norm, *q_norm, *k_norm;
+  const float *input_norm, *q_norm, *k_norm, *qkv_bias;  // (qkv_bias: null where the product has none)
   Product qkv;
   MlpWeights mlp;
   double scale, softcap;
@@ -83,7 +83,7 @@ struct LayerSlots {
 int64_t decoder_layers_scratch(const Stack& w, int64_t R, int64_t threads);
 
 // A whole decode step's layers as one call, on `threads` threads: for each layer, rms_norm -> the fused q/k/v
-// product -> head norms and rotary (cos[table], sin[table]: (B, T, D)), its new keys and values written into the
+// product (+ its bias) -> head norms and rotary (cos[table], sin[table]: (B, T, D)), its new keys and values written into the
 // last T of its slots, attention over the slots, then decoder_mlp's work. x and out (B, T, hidden).
 void decoder_layers(const Stack& w, const float* x, int64_t B, int64_t T, const std::vector<const float*>& cos,
                     const std::vector<const float*>& sin, const std::vector<LayerSlots>& layers, int64_t threads,

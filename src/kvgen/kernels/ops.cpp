@@ -200,7 +200,7 @@ void kv_store_op(at::Tensor& buffer, const at::Tensor& index, const at::Tensor& 
 
 const float* data_or_null(const c10::optional<at::Tensor>& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
 
-// rms_norm(x) -> one fused q/k/v product -> optional RMSNorm of each query / key head (Qwen3,
+// rms_norm(x) -> one fused q/k/v product (+ its bias: Qwen2) -> optional RMSNorm of each query / key head (Qwen3,
 // Gemma 3) -> rotary on the query and key heads. x (B, T, hidden); cos/sin (B, T, D) with sin's first
 // half negated (rotated = x * cos + roll(x, D / 2) * sin, as kvgen.rope.apply_rotary). Returns q (B,
 // H, T, D), k and v (B, Hkv, T, D), contiguous.
@@ -209,7 +209,7 @@ std::vector<at::Tensor> decoder_attention_inputs_op(const at::Tensor& x, const a
                                                     const at::Tensor& sin, int64_t H, int64_t Hkv,
                                                     const c10::optional<at::Tensor>& q_norm,
                                                     const c10::optional<at::Tensor>& k_norm, double head_eps,
-                                                    double offset) {
+                                                    double offset, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
               cos.size(1) == x.size(1) && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "kvgen: decoder_attention_inputs takes x (B, T, hidden) and float32 cos/sin (B, T, D)");
@@ -221,10 +221,13 @@ std::vector<at::Tensor> decoder_attention_inputs_op(const at::Tensor& x, const a
   const at::Tensor qkv = qmatmul_op(rms_norm_op(x.contiguous(), norm, eps, offset).view({R, x.size(2)}), ws, formats);  // (R, (H + 2 Hkv) D)
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "kvgen: the q/k/v product has ", qkv.size(1), " features, not (",
               H, " + 2 * ", Hkv, ") * ", D);
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == qkv.size(1) && bias->is_contiguous() &&
+                                    bias->scalar_type() == at::kFloat),
+              "kvgen: the q/k/v product's bias holds its ", qkv.size(1), " features' float32 values");
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
   at::Tensor q = at::empty({B, H, T, D}, x.options()), k = at::empty({B, Hkv, T, D}, x.options()),
              v = at::empty({B, Hkv, T, D}, x.options());
-  rotate_heads(qkv.data_ptr<float>(), B, T, H, Hkv, D, c.data_ptr<float>(), sn.data_ptr<float>(),
+  rotate_heads(qkv.data_ptr<float>(), data_or_null(bias), B, T, H, Hkv, D, c.data_ptr<float>(), sn.data_ptr<float>(),
                data_or_null(q_norm), data_or_null(k_norm), head_eps, offset, {q.data_ptr<float>(), H * T * D, T * D, D},
                {k.data_ptr<float>(), Hkv * T * D, T * D, D}, {v.data_ptr<float>(), Hkv * T * D, T * D, D}, 0,
                H + 2 * Hkv);
@@ -331,9 +334,10 @@ int64_t decoder_stack_op(at::ArrayRef<double> scales, at::ArrayRef<double> softc
                          at::TensorList pre_feedforward, const c10::List<c10::optional<at::Tensor>>& post_feedforward,
                          at::TensorList gate_up, at::IntArrayRef gate_up_formats, at::IntArrayRef gate_up_counts,
                          at::TensorList down, at::IntArrayRef down_formats, at::IntArrayRef down_counts, int64_t H,
-                         int64_t Hkv, double eps, double head_eps, double offset, int64_t act) {
+                         int64_t Hkv, double eps, double head_eps, double offset, int64_t act,
+                         const c10::List<c10::optional<at::Tensor>>& qkv_biases) {
   const size_t L = input_norms.size();
-  for (size_t n : {scales.size(), softcaps.size(), q_norms.size(), k_norms.size(), qkv_counts.size(),
+  for (size_t n : {scales.size(), softcaps.size(), q_norms.size(), k_norms.size(), qkv_counts.size(), qkv_biases.size(),
                    o_counts.size(), post_attention.size(), pre_feedforward.size(), post_feedforward.size(),
                    gate_up_counts.size(), down_counts.size()})
     TORCH_CHECK(n == L, "kvgen: decoder_stack takes one entry per layer in every per-layer list (", L, " layers)");
@@ -351,10 +355,10 @@ int64_t decoder_stack_op(at::ArrayRef<double> scales, at::ArrayRef<double> softc
   auto slice = [](auto list, const std::vector<int64_t>& first, size_t i) {
     return list.slice(first[i], first[i + 1] - first[i]);
   };
-  auto norm = [&](const c10::optional<at::Tensor>& t, int64_t n, const char* what) -> const float* {
+  auto floats = [&](const c10::optional<at::Tensor>& t, int64_t n, const char* what) -> const float* {  // held
     if (!t.has_value()) return nullptr;
     TORCH_CHECK(t->numel() == n && t->is_contiguous() && t->scalar_type() == at::kFloat, "kvgen: decoder_stack's ",
-                what, " norms hold ", n, " float32 weights");
+                what, " holds ", n, " contiguous float32 values");
     registered->hold(*t);
     return t->data_ptr<float>();
   };
@@ -365,8 +369,9 @@ int64_t decoder_stack_op(at::ArrayRef<double> scales, at::ArrayRef<double> softc
                 "kvgen: decoder_stack's q/k/v products have (H + 2 Hkv) D rows, D the same multiple of 32 in every "
                 "layer; layer ", i, " has ", p.N);
     w->D = D;
-    const float* input = norm(input_norms[i], hidden, "input");
-    const float *qn = norm(q_norms.get(i), D, "query head"), *kn = norm(k_norms.get(i), D, "key head");
+    const float* input = floats(input_norms[i], hidden, "input norm");
+    const float* bias = floats(qkv_biases.get(i), p.N, "q/k/v bias");
+    const float *qn = floats(q_norms.get(i), D, "query head norm"), *kn = floats(k_norms.get(i), D, "key head norm");
     MlpWeights mlp = mlp_weights(slice(o, o_first, i), slice(o_formats, o_first, i), post_attention.get(i),
                                  pre_feedforward[i], post_feedforward.get(i), slice(gate_up, gate_up_first, i),
                                  slice(gate_up_formats, gate_up_first, i), slice(down, down_first, i),
@@ -375,7 +380,7 @@ int64_t decoder_stack_op(at::ArrayRef<double> scales, at::ArrayRef<double> softc
                                                post_feedforward.get(i)})
       if (t.has_value()) registered->hold(*t);
     w->I = std::max(w->I, mlp.I);
-    w->layers.push_back({input, qn, kn, std::move(p), std::move(mlp), scales[i], softcaps[i]});
+    w->layers.push_back({input, qn, kn, bias, std::move(p), std::move(mlp), scales[i], softcaps[i]});
   }
   for (const at::Tensor& t : held) registered->hold(t);
   std::lock_guard<std::mutex> lock(g_stacks_mutex);
@@ -499,7 +504,8 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");
   m.def("decoder_attention_inputs(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] formats, Tensor cos, "
-        "Tensor sin, int heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, float head_eps, float offset) -> Tensor[]");
+        "Tensor sin, int heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, float head_eps, float offset, "
+        "Tensor? bias=None) -> Tensor[]");
   m.def("decoder_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor? post_attention, "
         "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
         "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
@@ -510,7 +516,8 @@ TORCH_LIBRARY(kvgen, m) {
         "Tensor?[] k_norms, Tensor[] qkv, int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, "
         "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, "
         "Tensor[] gate_up, int[] gate_up_formats, int[] gate_up_counts, Tensor[] down, int[] down_formats, "
-        "int[] down_counts, int heads, int kv_heads, float eps, float head_eps, float offset, int act) -> int",
+        "int[] down_counts, int heads, int kv_heads, float eps, float head_eps, float offset, int act, "
+        "Tensor?[] qkv_biases) -> int",
         kvgen::decoder_stack_op);
   m.def("decoder_stack_free(int stack) -> ()", kvgen::decoder_stack_free_op);
   m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, int[] tables, Tensor[] keys, Tensor[] values, "

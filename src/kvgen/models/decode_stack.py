@@ -196,7 +196,8 @@ class DecodeStack:
             *segments([p.attn.o_proj for p in parts]), [_weight(p.post_attention) for p in parts],
             [p.pre_feedforward.weight for p in parts], [_weight(p.post_feedforward) for p in parts],
             *segments([p.mlp.gate_up_proj for p in parts]), *segments([p.mlp.down_proj for p in parts]),
-            heads, kv_heads, eps, head_norms[0].eps if head_norms else 0.0, offset, act)
+            heads, kv_heads, eps, head_norms[0].eps if head_norms else 0.0, offset, act,
+            [p.attn.qkv_proj.bias for p in parts])
         return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, _Registered(args))
 
     def _layer_masks(self, masks, cache, windows: list[int | None]) -> list[torch.Tensor | None] | None:

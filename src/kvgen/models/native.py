@@ -140,11 +140,18 @@ def _weight(norm: torch.nn.Module | None) -> torch.Tensor | None:
     return None if norm is None else norm.weight
 
 
+def _biased(layer: torch.nn.Module) -> bool:
+    """A stored-precision product with a bias the fused ops add (Qwen2's q/k/v): float32, one value a feature."""
+    bias = layer.bias
+    return (type(layer) is QuantizedLinear and bias is not None and bias.dtype == torch.float32
+            and bias.is_contiguous() and bias.numel() == layer.out_features)
+
+
 def attention_inputs_fuse(norm: torch.nn.Module, proj: torch.nn.Module, head_dim: int, heads: int,
                           kv_heads: int) -> bool:
     """Whether ``kvgen::decoder_attention_inputs`` computes this layer's ``q, k, v`` (its weights' side of it)."""
-    return (_packed(proj) and head_dim % 32 == 0 and head_dim * (heads + 2 * kv_heads) == proj.out_features
-            and norm.weight.dtype == torch.float32)
+    return ((_packed(proj) or _biased(proj)) and head_dim % 32 == 0
+            and head_dim * (heads + 2 * kv_heads) == proj.out_features and norm.weight.dtype == torch.float32)
 
 
 def mlp_fuses(o_proj: torch.nn.Module, pre_norm: torch.nn.Module, mlp: torch.nn.Module) -> bool:
@@ -160,10 +167,10 @@ def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch
                              sin: torch.Tensor, heads: int, kv_heads: int, q_norm: torch.nn.Module | None = None,
                              k_norm: torch.nn.Module | None = None) -> list[torch.Tensor] | None:
     """``q, k, v`` of a decode step or prefill as one C++ op (``kvgen::decoder_attention_inputs``): ``norm(x)``,
-    the fused q/k/v product ``proj`` on stored-precision weights, the optional per-head norms, rotary
-    on every query and key channel. Norms are RMSNorm modules with ``weight``, ``eps`` and ``offset``
+    the fused q/k/v product ``proj`` on stored-precision weights (plus its bias, if any), the optional per-head
+    norms, rotary on every query and key channel. Norms are RMSNorm modules with ``weight``, ``eps`` and ``offset``
     (they scale by ``weight + offset``; one offset for all of a model's norms). None
-    where it does not apply (float weights, biases, partial rotary, a product that this many rows would
+    where it does not apply (float weights with a bias, partial rotary, a product that this many rows would
     dequantize first): then the caller runs its modules, which compute the same."""
     if not (cos.dtype == torch.float32 and _native(x, None)
             and attention_inputs_fuse(norm, proj, cos.shape[-1], heads, kv_heads)
@@ -171,7 +178,7 @@ def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch
         return None
     return torch.ops.kvgen.decoder_attention_inputs(
         x, norm.weight, norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads, _weight(q_norm),
-        _weight(k_norm), 0.0 if q_norm is None else q_norm.eps, norm.offset)
+        _weight(k_norm), 0.0 if q_norm is None else q_norm.eps, norm.offset, proj.bias)
 
 
 def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pre_norm: torch.nn.Module,
