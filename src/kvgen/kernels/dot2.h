@@ -86,6 +86,30 @@ inline void add_group(Lanes& acc, const __m256i (&dot)[2], const Lanes& d, const
   }
 }
 
+// part[l] (each half of the rows; `first`: set, else added to) the products of a quad u of 16 rows' 4 stored values
+// with level l's 4 values at xq + l K, in int16 (vpmaddubsw)
+__attribute__((always_inline)) inline void add_quad(__m256i (&part)[3][2], const __m256i (&u)[2], const int8_t* xq,
+                                                    int64_t K, bool first) {
+#pragma GCC unroll 3
+  for (int l = 0; l < 3; ++l) {
+    int32_t quad;
+    std::memcpy(&quad, xq + l * K, 4);
+    const __m256i xb = _mm256_set1_epi32(quad);
+    for (int i = 0; i < 2; ++i) {
+      const __m256i p = _mm256_maddubs_epi16(u[i], xb);
+      part[l][i] = first ? p : _mm256_add_epi16(part[l][i], p);
+    }
+  }
+}
+
+// sum (each half of the rows, int32) = part's levels weighed by their weights in X: 2^14, 2^7, 1 (vpmaddwd)
+__attribute__((always_inline)) inline void weigh_levels(const __m256i (&part)[3][2], __m256i (&sum)[2]) {
+  for (int i = 0; i < 2; ++i)
+    sum[i] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(part[0][i], _mm256_set1_epi16(1 << 14)),
+                                               _mm256_madd_epi16(part[1][i], _mm256_set1_epi16(1 << 7))),
+                              _mm256_madd_epi16(part[2][i], _mm256_set1_epi16(1)));
+}
+
 // y[16 t + i] for tiles t0..t1 and one row r0 of the rounded input, Q4_K (a decode step's products): one group at a
 // time, a quad (4 values of the 16 rows) at a time, each level's products summed in int16 over the whole group (8 quads
 // of 2 * 15 * 127 fit) and weighed once; a chunk's high nibbles (the next group) wait on the stack. The general loop
@@ -123,23 +147,10 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
               u[0] = high[q][0];
               u[1] = high[q][1];
             }
-            const int8_t* xq = levels + b * Q4_K::QK + 64 * c + 32 * g + 4 * q;
-#pragma GCC unroll 3
-            for (int l = 0; l < 3; ++l) {
-              int32_t quad;
-              std::memcpy(&quad, xq + l * K, 4);
-              const __m256i xb = _mm256_set1_epi32(quad);
-              for (int i = 0; i < 2; ++i) {
-                const __m256i p = _mm256_maddubs_epi16(u[i], xb);
-                part[l][i] = q == 0 ? p : _mm256_add_epi16(part[l][i], p);
-              }
-            }
+            add_quad(part, u, levels + b * Q4_K::QK + 64 * c + 32 * g + 4 * q, K, q == 0);
           }
-          __m256i sum[2];  // the levels weighed by 2^14, 2^7, 1
-          for (int i = 0; i < 2; ++i)
-            sum[i] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(part[0][i], _mm256_set1_epi16(1 << 14)),
-                                                       _mm256_madd_epi16(part[1][i], _mm256_set1_epi16(1 << 7))),
-                                      _mm256_madd_epi16(part[2][i], _mm256_set1_epi16(1)));
+          __m256i sum[2];
+          weigh_levels(part, sum);
           add_group<32>(acc, sum, to_quads(d[2 * c + g]), to_quads(m[2 * c + g]), x, r0,
                         b * Q4_K::QK + 64 * c + 32 * g);
         }
@@ -171,13 +182,7 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
         // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: runs 128 + 32 h + l
         for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + 16 k + l for l in 0..15: group 8 h + 2 s + k
           Quads q[2][4], hb[4];
-#pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) {
-            const int l = 16 * k + 4 * j;
-            q[0][j] = by_row(blk + 16 * (64 * h + l));
-            q[1][j] = by_row(blk + 16 * (64 * h + 32 + l));
-            hb[j] = by_row(blk + 16 * (128 + 32 * h + l));
-          }
+          q6k_runs(blk, h, k, q, hb);
           for (int s = 0; s < 4; ++s) {
             const __m128i low_shift = _mm_cvtsi32_si128(4 * (s / 2)), high_shift = _mm_cvtsi32_si128(2 * s);
             __m256i part[3][2], sum[2];
@@ -188,25 +193,12 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
                 u[i] = _mm256_or_si256(
                     _mm256_and_si256(_mm256_srl_epi16(q[s % 2][j].h[i], low_shift), n15),
                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb[j].h[i], high_shift), n3), 4));
-              const int8_t* xq = levels + b * Q6_K::QK + 128 * h + 32 * s + 16 * k + 4 * j;
-#pragma GCC unroll 3
-              for (int l = 0; l < 3; ++l) {
-                int32_t quad;
-                std::memcpy(&quad, xq + l * K, 4);
-                const __m256i xb = _mm256_set1_epi32(quad);
-                for (int i = 0; i < 2; ++i) {
-                  const __m256i p = _mm256_maddubs_epi16(u[i], xb);
-                  part[l][i] = j % 2 == 0 ? p : _mm256_add_epi16(part[l][i], p);
-                }
+              add_quad(part, u, levels + b * Q6_K::QK + 128 * h + 32 * s + 16 * k + 4 * j, K, j % 2 == 0);
+              if (j % 2 == 1) {
+                __m256i two[2];
+                weigh_levels(part, two);
+                for (int i = 0; i < 2; ++i) sum[i] = j == 1 ? two[i] : _mm256_add_epi32(sum[i], two[i]);
               }
-              if (j % 2 == 1)
-                for (int i = 0; i < 2; ++i) {  // the levels weighed by 2^14, 2^7, 1
-                  const __m256i s2 = _mm256_add_epi32(
-                      _mm256_add_epi32(_mm256_madd_epi16(part[0][i], _mm256_set1_epi16(1 << 14)),
-                                       _mm256_madd_epi16(part[1][i], _mm256_set1_epi16(1 << 7))),
-                      _mm256_madd_epi16(part[2][i], _mm256_set1_epi16(1)));
-                  sum[i] = j == 1 ? s2 : _mm256_add_epi32(sum[i], s2);
-                }
             }
             const vf dg = dd * tof((vsb)load16(blk + 16 * (192 + 8 * h + 2 * s + k)));
             add_group<16>(acc, sum, to_quads(dg), to_quads(dg * -32.0f), x, r0,

@@ -83,8 +83,8 @@ struct LayerSlots {
 int64_t decoder_layers_scratch(const Stack& w, int64_t R, int64_t threads);
 
 // A whole decode step's layers as one call, on `threads` threads: for each layer, rms_norm -> the fused q/k/v
-// product (+ its bias) -> head norms and rotary (cos[table], sin[table]: (B, T, D)), its new keys and values written into the
-// last T of its slots, attention over the slots, then decoder_mlp's work. x and out (B, T, hidden).
+// product (+ its bias) -> head norms and rotary (cos[table], sin[table]: (B, T, D)), its new keys and values written
+// into the last T of its slots, attention over the slots, then decoder_mlp's work. x and out (B, T, hidden).
 void decoder_layers(const Stack& w, const float* x, int64_t B, int64_t T, const std::vector<const float*>& cos,
                     const std::vector<const float*>& sin, const std::vector<LayerSlots>& layers, int64_t threads,
                     float* scratch, float* out);

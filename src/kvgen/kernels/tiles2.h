@@ -54,6 +54,19 @@ void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   }
 }
 
+// the runs of a Q6_K tile block's values 128 h + 32 s + 16 k + 4 j .. (j = 0..3) in Quads: their low 4 bits for s =
+// 0, 2 (q[0][j]) and s = 1, 3 (q[1][j]), their top 2 bits for every s (hb[j]); each run permuted once for the 4
+// groups that read it
+inline void q6k_runs(const uint8_t* blk, int h, int k, Quads (&q)[2][4], Quads (&hb)[4]) {
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    const int l = 16 * k + 4 * j;
+    q[0][j] = by_row(blk + 16 * (64 * h + l));
+    q[1][j] = by_row(blk + 16 * (64 * h + 32 + l));
+    hb[j] = by_row(blk + 16 * (128 + 32 * h + l));
+  }
+}
+
 template <int R, class F>
 void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
@@ -62,14 +75,8 @@ void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   for (int h = 0; h < 2; ++h)
     // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: runs 128 + 32 h + l
     for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + 16 k + l for l in 0..15: group 8 h + 2 s + k
-      Quads q[2][4], hb[4];  // each run permuted once for the groups that read it
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const int l = 16 * k + 4 * j;
-        q[0][j] = by_row(blk + 16 * (64 * h + l));
-        q[1][j] = by_row(blk + 16 * (64 * h + 32 + l));
-        hb[j] = by_row(blk + 16 * (128 + 32 * h + l));
-      }
+      Quads q[2][4], hb[4];
+      q6k_runs(blk, h, k, q, hb);
 #pragma GCC unroll 4
       for (int s = 0; s < 4; ++s) {
         Quads u[4];
