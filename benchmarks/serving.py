@@ -593,7 +593,8 @@ def main() -> None:
     parser.add_argument("--random-weights", action="store_true",
                         help="--model's config and tokenizer with random weights (a host without its weights)")
     parser.add_argument("--gguf", action="store_true",
-                        help="kvgen's in-process parts run the packaged GGUF in its stored types (not the float32 folder)")
+                        help="kvgen's in-process parts run the packaged GGUF in its stored types "
+                             "(not the float32 folder)")
     parser.add_argument("--kv-dtype", default="float16", choices=list(KV_DTYPES),
                         help="how kvgen's engine and servers store keys and values (default: kvgen serve's)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of serving.json and serving.png")

@@ -2,8 +2,8 @@
 
 The stack runs the per-layer C++ functions in the per-layer order, so its logits and cache contents must
 equal the per-layer path's bit for bit: on random Llama, Gemma 2 (soft-caps), Gemma 3 (q/k norms,
-local rope) and Qwen2 (q/k/v biases) checkpoints quantized to int8 at load, with a growing cache, a sliding-window cache past its
-window, and a left-padded batch.
+local rope) and Qwen2 (q/k/v biases) checkpoints quantized to int8 at load, with a growing cache, a
+sliding-window cache past its window, and a left-padded batch.
 """
 
 from __future__ import annotations

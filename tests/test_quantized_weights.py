@@ -341,8 +341,8 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
     weight rows per instruction, the same exact integer sums as the vpdpbusd products of 1-8 rows, combined by the
     same code (add_group). So a 35-row product (two tiles of 16 rows and 3 more) equals its rows taken 8 at a time,
     bit for bit, by construction; on CPUs without AMX, the 16-row vpdpbusd products equal the 8-row ones the same
-    way, and so do the products of one row. On a CPU with AMX, Linux's permission must have been granted (else every prefill silently runs ~1.3x
-    slower)."""
+    way, and so do the products of one row. On a CPU with AMX, Linux's permission must have been granted (else every
+    prefill silently runs ~1.3x slower)."""
     from kvgen.kernels import tile_formats
 
     if _amx_cpu() and kernels_available() and os.environ.get("KVGEN_DISABLE_AMX", "") in ("", "0"):

@@ -1,9 +1,10 @@
 // kvgen::attention(q, k, v, mask?, scale, softcap): q (B, H, T, D), k and v (B, Hkv, S, D) (any
 // strides, the last dim contiguous, D a multiple of 16, H a multiple of Hkv: the G = H / Hkv query
 // heads of a group share one key head; k and v stored as float32, float16, bfloat16 or Q8 rows of
-// kv_rows.h, each tile of them turned into float32 in the thread's scratch where it is not float32), mask: bool (B or 1, 1, T, S), True where allowed, or
-// none (all allowed). softcap > 0: scores become tanh(s / softcap) * softcap. The output is
-// (B, T, H, D). A query row that allows no key gets zeros (SDPA gives NaN there); callers never use such rows.
+// kv_rows.h, each tile of them turned into float32 in the thread's scratch where it is not float32),
+// mask: bool (B or 1, 1, T, S), True where allowed, or none (all allowed). softcap > 0: scores become
+// tanh(s / softcap) * softcap. The output is (B, T, H, D). A query row that allows no key gets zeros (SDPA
+// gives NaN there); callers never use such rows.
 //
 // One scheme for every shape: flash attention over the 16-key tiles that the mask allows, work in
 // proportion to those tiles, so a ragged batch over a paged block pool (S = every slot of the

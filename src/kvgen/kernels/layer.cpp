@@ -130,12 +130,10 @@ void rotate_heads(const float* src, const float* bias, int64_t B, int64_t T, int
                    : h < H + Hkv ? k.p + b * k.s0 + (h - H) * k.s1 + t * k.s2
                                  : v.p + b * v.s0 + (h - H - Hkv) * v.s1 + t * v.s2;
         if (bias != nullptr) {  // the product rounded, then its bias added (as y + bias after the product)
-          float* into = h >= H + Hkv ? out : biased.data();
           for (int64_t j = 0; j < runs; ++j) {
             const vf s = loadf(in + 16 * j) + loadf(bias + h * D + 16 * j);
-            std::memcpy(into + 16 * j, &s, 64);
+            std::memcpy(biased.data() + 16 * j, &s, 64);
           }
-          if (h >= H + Hkv) continue;
           in = biased.data();
         }
         if (h >= H + Hkv) {

@@ -120,7 +120,8 @@ KvFormat kv_format(at::ScalarType t) {
     case at::kHalf: return KvFormat::F16;
     case at::kBFloat16: return KvFormat::BF16;
     case at::kChar: return KvFormat::Q8;
-    default: TORCH_CHECK(false, "kvgen: keys and values are stored as float32, float16, bfloat16 or int8 rows, not ", t);
+    default:
+      TORCH_CHECK(false, "kvgen: keys and values are stored as float32, float16, bfloat16 or int8 rows, not ", t);
   }
 }
 
@@ -218,12 +219,12 @@ std::vector<at::Tensor> decoder_attention_inputs_op(const at::Tensor& x, const a
   for (const auto* n : {&q_norm, &k_norm})
     TORCH_CHECK(!n->has_value() || ((*n)->numel() == D && (*n)->is_contiguous() && (*n)->scalar_type() == at::kFloat),
                 "kvgen: a head norm holds D float32 weights");
+  TORCH_CHECK(!bias.has_value() || (bias->numel() == (H + 2 * Hkv) * D && bias->is_contiguous() &&
+                                    bias->scalar_type() == at::kFloat),
+              "kvgen: the q/k/v product's bias holds its (", H, " + 2 * ", Hkv, ") * ", D, " features' float32 values");
   const at::Tensor qkv = qmatmul_op(rms_norm_op(x.contiguous(), norm, eps, offset).view({R, x.size(2)}), ws, formats);  // (R, (H + 2 Hkv) D)
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "kvgen: the q/k/v product has ", qkv.size(1), " features, not (",
               H, " + 2 * ", Hkv, ") * ", D);
-  TORCH_CHECK(!bias.has_value() || (bias->numel() == qkv.size(1) && bias->is_contiguous() &&
-                                    bias->scalar_type() == at::kFloat),
-              "kvgen: the q/k/v product's bias holds its ", qkv.size(1), " features' float32 values");
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
   at::Tensor q = at::empty({B, H, T, D}, x.options()), k = at::empty({B, Hkv, T, D}, x.options()),
              v = at::empty({B, Hkv, T, D}, x.options());
