@@ -111,11 +111,14 @@ void dequantize(int64_t format, const uint8_t* w, int64_t row_bytes, int64_t N, 
 void embedding(int64_t format, const uint8_t* w, int64_t row_bytes, const int64_t* ids, int64_t n, int64_t K,
                float* out);
 
-// rows (16 * tiles, blocks * size + extra bytes, stride bytes apart) into tiles of 16 rows (kvgen.models.packed
-// .tile_rows; formats.h's Tiled): per block, the 16 rows' head fields of `field` bytes (head bytes in all), then byte
-// j of the 16 rows for each other byte j; after the blocks, the 16 rows' extra bytes, one row after the other. Tiles in
-// parallel
-void tile_rows(const uint8_t* rows, int64_t stride, int64_t tiles, int64_t blocks, int64_t size, int64_t head,
-               int64_t field, int64_t extra, uint8_t* out);
+// rows (16 * tiles, row_bytes each, stride bytes apart) into tiles of 16 rows of a tiled format (2000 + the format
+// in rows; kvgen.models.packed.tile_rows; formats.h's Tiled): per block, the 16 rows' head fields, then byte j of the
+// 16 rows for each other byte j (4 at a time as Quads where AVX2's products read them: quad_runs); after the blocks,
+// the 16 rows' extra bytes (int8's scales), one row after the other. Tiles in parallel; false for a format without
+// tiles in this build, or rows of another length than whole blocks
+bool tile_rows(int64_t format, const uint8_t* rows, int64_t stride, int64_t tiles, int64_t row_bytes, uint8_t* out);
+// [first, end): the runs of a tile block of format stored 4 at a time as AVX2's Quads (formats.h's quad_runs); none
+// where they all stay in row order
+std::vector<int64_t> tile_quads(int64_t format);
 
 }  // namespace kvgen

@@ -1,5 +1,6 @@
 // What a format's weight holds, and its rows back as float32 (dot.h declares these): dequantization exactly as
 // gguf's, for prefills that multiply float32 rows and for embedding lookups.
+#include <array>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -82,10 +83,11 @@ inline void transpose16(const uint8_t* in, int64_t stride, uint8_t* out) {
 #endif
 }
 
-// one tile of tile_rows, with head fields of F bytes (2: GGUF's float16; 4: kvgen's int4 float32)
+// one tile of tile_rows, with head fields of F bytes (2: GGUF's float16; 4: kvgen's int4 float32), runs q[0] ..
+// q[1] - 1 of each block stored as Quads (formats.h's quad_runs)
 template <int F>
 void tile_one(const uint8_t* first, int64_t stride, int64_t blocks, int64_t size, int64_t head, int64_t extra,
-              uint8_t* tile) {
+              std::array<int, 2> q, uint8_t* tile) {
   const int64_t whole = head + (size - head) / 16 * 16;  // columns transposed 16 at a time
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* in = first + b * size;
@@ -95,6 +97,11 @@ void tile_one(const uint8_t* first, int64_t stride, int64_t blocks, int64_t size
     for (int64_t j = head; j < whole; j += 16) transpose16(in + j, stride, block + 16 * j);  // byte j of row r: 16 j + r
     for (int64_t j = whole; j < size; ++j)
       for (int64_t lane = 0; lane < 16; ++lane) block[16 * j + lane] = in[lane * stride + j];
+    for (int64_t j = q[0]; j < q[1]; j += 4) {
+      uint8_t runs[64];
+      std::memcpy(runs, block + 16 * j, 64);
+      for (int o = 0; o < 64; ++o) block[16 * j + o] = runs[quad_source(o)];
+    }
   }
   for (int64_t lane = 0; lane < 16; ++lane)
     std::memcpy(tile + 16 * blocks * size + extra * lane, first + lane * stride + blocks * size, extra);
@@ -102,14 +109,32 @@ void tile_one(const uint8_t* first, int64_t stride, int64_t blocks, int64_t size
 
 }  // namespace
 
-void tile_rows(const uint8_t* rows, int64_t stride, int64_t tiles, int64_t blocks, int64_t size, int64_t head,
-               int64_t field, int64_t extra, uint8_t* out) {
-  const int64_t tile_bytes = 16 * (blocks * size + extra);
-  parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
-      (field == 4 ? tile_one<4> : tile_one<2>)(rows + 16 * t * stride, stride, blocks, size, head, extra,
-                                               out + t * tile_bytes);
+bool tile_rows(int64_t format, const uint8_t* rows, int64_t stride, int64_t tiles, int64_t row_bytes, uint8_t* out) {
+  bool done = false;
+  dispatch(format, [&](auto t) {
+    using T = decltype(t);
+    if constexpr (tiled<T>()) {
+      constexpr int64_t size = T::Gguf::BYTES, extra = has_row_scale<T>() ? 4 : 0;
+      const int64_t blocks = (row_bytes - extra) / size;
+      if (blocks <= 0 || blocks * size + extra != row_bytes) return;
+      parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) {
+        for (int64_t i = t0; i < t1; ++i)
+          tile_one<field_bytes<T>()>(rows + 16 * i * stride, stride, blocks, size, T::HEAD, extra, quad_runs<T>(),
+                                     out + i * 16 * row_bytes);
+      });
+      done = true;
+    }
   });
+  return done;
+}
+
+std::vector<int64_t> tile_quads(int64_t format) {
+  std::vector<int64_t> runs;
+  dispatch(format, [&](auto t) {
+    constexpr std::array<int, 2> q = quad_runs<decltype(t)>();
+    if (q[1] > q[0]) runs = {q[0], q[1]};
+  });
+  return runs;
 }
 
 }  // namespace kvgen

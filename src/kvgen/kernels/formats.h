@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -250,6 +251,7 @@ struct Nibbles16 : Tiled<G, H> {
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
   static constexpr int CODE_MAX = 15;  // and AVX2's (vpmaddubsw): the largest stored value it takes
+  static constexpr int QUADS_FIRST = H, QUADS_TAIL = 0;  // the runs of quad_runs (below): all but the head's
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 using Q4_0x16 = Nibbles16<Q4_0, 2, -8>;
@@ -262,6 +264,7 @@ struct Q5_0x16 : Tiled<Q5_0, 6> {  // head: d, then the 32-bit mask of 5th bits 
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
   static constexpr int CODE_MAX = 31;  // and AVX2's
+  static constexpr int QUADS_FIRST = 6, QUADS_TAIL = 0;
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 
@@ -281,6 +284,7 @@ struct Q4_Kx16 : Tiled<Q4_K, 4> {
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
   static constexpr int CODE_MAX = 15;  // and AVX2's
+  static constexpr int QUADS_FIRST = 4 + 12, QUADS_TAIL = 0;  // the nibbles
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 
@@ -291,6 +295,7 @@ struct Q6_Kx16 : Tiled<Q6_K, 0> {
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
   static constexpr int CODE_MAX = 63;  // and AVX2's
+  static constexpr int QUADS_FIRST = 0, QUADS_TAIL = 18;  // the low 4 and high 2 bits
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
   // dot_groups reads a 3360-byte tile block end first (scales, d), then three interleaved runs: the
   // hardware's prefetchers lag, and a one-row product from memory ran at half its speed from cache
@@ -315,6 +320,42 @@ struct I4x16 : Tiled<I4<G>, 8> {
   static constexpr bool DOT = true;
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
+
+// AVX2's integer products (KVGEN_DOT2) read a tile block's value runs 4 at a time, 64 bytes as simd.h's Quads (rows
+// 0-3, 8-11, then rows 4-7, 12-15; each row's bytes from runs 0, 2, 1, 3). There, tile_rows stores runs
+// quad_runs()[0] .. quad_runs()[1] - 1 of a tile block (run j: byte j of the GGUF block) 4 at a time in that order,
+// and the products load them as they lie: over an L2-resident tile a one-row Q4_K product ran 1.2-1.3x faster than
+// with two vpermq and four unpacks per 64 bytes (AMD EPYC Zen 3). Elsewhere runs stay in row order: {0, 0}
+template <class T>
+constexpr std::array<int, 2> quad_runs() {
+#if defined(KVGEN_DOT2)
+  if constexpr (requires { T::CODE_MAX; }) return {T::QUADS_FIRST, T::Gguf::BYTES - T::QUADS_TAIL};
+#endif
+  return {0, 0};
+}
+
+// byte o of 4 runs stored as Quads: byte quad_source(o) of the 4 runs in row order (16 * run + row)
+constexpr int quad_source(int o) {
+  constexpr int RUN[4] = {0, 2, 1, 3};
+  const int half = o / 32, lane = o % 32 / 4;  // lanes of a half: rows 4 half + 0-3, 4 half + 8-11
+  return 16 * RUN[o % 4] + 4 * half + lane % 4 + 8 * (lane / 4);
+}
+// and back: where byte 16 * run + row of 4 runs in row order is stored
+struct QuadTarget {
+  uint8_t at[64];
+  constexpr QuadTarget() : at{} {
+    for (int o = 0; o < 64; ++o) at[quad_source(o)] = (uint8_t)o;
+  }
+};
+inline constexpr QuadTarget QUAD_TARGET{};
+
+// where byte v (v >= T::HEAD) of row i of a GGUF block lies in its tile block
+template <class T>
+constexpr int64_t run_byte(int v, int i) {
+  constexpr std::array<int, 2> q = quad_runs<T>();
+  if (v < q[0] || v >= q[1]) return 16 * v + i;
+  return 16 * q[0] + 64 * ((v - q[0]) / 4) + QUAD_TARGET.at[16 * ((v - q[0]) % 4) + i];
+}
 
 template <class T>
 constexpr bool tiled() {
@@ -386,7 +427,7 @@ void dequantize_tiles(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, float
         uint8_t* g = rows.data() + i * rb + b * G::BYTES;
         for (int f = 0; f < T::HEAD / FIELD; ++f)
           std::memcpy(g + FIELD * f, tile + b * TB + 16 * FIELD * f + FIELD * i, FIELD);
-        for (int v = 0; v < G::BYTES - T::HEAD; ++v) g[T::HEAD + v] = tile[b * TB + 16 * T::HEAD + 16 * v + i];
+        for (int v = T::HEAD; v < G::BYTES; ++v) g[v] = tile[b * TB + run_byte<T>(v, i)];
       }
       std::memcpy(rows.data() + i * rb + nb * G::BYTES, tile + nb * TB + TAIL * i, TAIL);
     }

@@ -71,18 +71,17 @@ void dequantize_op(at::Tensor out, const at::Tensor& w, int64_t format) {
   dequantize(format, seg.w, seg.row_bytes, seg.rows, out.size(1), out.data_ptr<float>(), out.stride(0));
 }
 
-// a weight's rows (N, blocks * size + extra) uint8 into out (the same shape, contiguous) in tiles of 16 rows
-void tile_rows_op(at::Tensor out, const at::Tensor& rows, int64_t blocks, int64_t size, int64_t head, int64_t field) {
+// a weight's rows (N, row bytes) uint8 into out (the same shape, contiguous) in tiles of 16 rows of format (2000 + the
+// format in rows)
+void tile_rows_op(at::Tensor out, const at::Tensor& rows, int64_t format) {
   TORCH_CHECK(rows.dim() == 2 && rows.scalar_type() == at::kByte && rows.stride(1) == 1 && rows.size(0) % 16 == 0,
               "kvgen: tile_rows takes (16 * tiles, row bytes) uint8 rows");
   TORCH_CHECK(out.sizes() == rows.sizes() && out.scalar_type() == at::kByte && out.is_contiguous(),
               "kvgen: tile_rows writes a contiguous uint8 tensor of the rows' shape");
-  const int64_t extra = rows.size(1) - blocks * size;
-  TORCH_CHECK(blocks > 0 && size > 0 && extra >= 0 && (field == 2 || field == 4) && head % field == 0 && head < size,
-              "kvgen: tile_rows: ", blocks, " blocks of ", size, " bytes (head ", head, " in fields of ", field,
-              ") do not fit rows of ", rows.size(1), " bytes");
-  tile_rows(rows.const_data_ptr<uint8_t>(), rows.stride(0), rows.size(0) / 16, blocks, size, head, field, extra,
-            out.data_ptr<uint8_t>());
+  TORCH_CHECK(tile_rows(format, rows.const_data_ptr<uint8_t>(), rows.stride(0), rows.size(0) / 16, rows.size(1),
+                        out.data_ptr<uint8_t>()),
+              "kvgen: tile_rows: format ", format, " has no tiles in this build, or rows of ", rows.size(1),
+              " bytes are not whole blocks of it");
 }
 
 // rows ids of a packed (N, K) weight as float32 (n, K): an embedding lookup in one op
@@ -500,7 +499,8 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("integer_dot_instruction() -> str", kvgen::integer_dot_instruction);
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
-  m.def("tile_rows_(Tensor(a!) out, Tensor rows, int blocks, int size, int head, int field) -> ()");
+  m.def("tile_rows_(Tensor(a!) out, Tensor rows, int format) -> ()");
+  m.def("tile_quads(int format) -> int[]", kvgen::tile_quads);
   m.def("embedding(Tensor w, Tensor ids, int k, int format) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, float offset=0.0) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");

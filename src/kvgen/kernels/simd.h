@@ -308,17 +308,14 @@ inline void dpbusd_broadcast(__m512i& acc, const __m512i& u, const int8_t* p) {
 #if defined(KVGEN_DOT2)
 // 16 rows' 4 bytes each in two registers, as by_row's one 64-byte register: lanes in the order rows 0-3, 8-11 (h[0])
 // and 4-7, 12-15 (h[1]), each row's bytes from runs 0, 2, 1, 3 (what two byte and two word interleaves within
-// 128-bit lanes give; round_x stores each 4 input values in that order, to_quads orders the d and m of rows so)
+// 128-bit lanes would give; round_x stores each 4 input values in that order, to_quads orders the d and m of rows so)
 struct Quads {
   __m256i h[2];
 };
-// 4 runs of 16 bytes (byte i of run a: row i) -> Quads
-inline Quads by_row(const uint8_t* p) {
-  const __m256i ab = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0xD8);
-  const __m256i cd = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 0xD8);
-  // ab: runs 0, 1 of rows 0-7 | the same of rows 8-15; ac: (run 0, run 2) a row, bd: (run 1, run 3)
-  const __m256i ac = _mm256_unpacklo_epi8(ab, cd), bd = _mm256_unpackhi_epi8(ab, cd);
-  return {{_mm256_unpacklo_epi16(ac, bd), _mm256_unpackhi_epi16(ac, bd)}};
+// 4 runs of a tile block as tile_rows stores them for AVX2 (formats.h's quad_runs: already Quads)
+inline Quads load_quads(const uint8_t* p) {
+  return {{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))}};
 }
 inline Quads low4(const Quads& v) {
   const __m256i n = _mm256_set1_epi8(15);

@@ -21,7 +21,7 @@ void Nibbles16<G, H, BASE>::dot_groups(const uint8_t* blk, F&& f) {
   const Lanes dq = to_quads(d), mq = to_quads(G::HAS_MIN ? f16_fields(blk + 32) : d * (float)BASE);
   Quads v[4], u[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) v[j] = by_row(blk + 16 * H + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
+  for (int j = 0; j < 4; ++j) v[j] = load_quads(blk + 16 * H + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) u[j] = low4(v[j]);
   f(Int<0>{}, Int<0>{}, 0, u, dq, mq);
@@ -41,7 +41,7 @@ void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
     auto half = [&](auto part) {  // runs 4 j .. for j in 4 part .. 4 part + 3, permuted once for both groups
       Quads v[4], u[4];
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) v[j] = by_row(run + 16 * (12 + 32 * c + 16 * part + 4 * j));
+      for (int j = 0; j < 4; ++j) v[j] = load_quads(run + 16 * (12 + 32 * c + 16 * part + 4 * j));
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) u[j] = low4(v[j]);
       f(Int<0>{}, part, 64 * c + 16 * part, u, d0, m0);
@@ -61,9 +61,9 @@ inline void q6k_runs(const uint8_t* blk, int h, int k, Quads (&q)[2][4], Quads (
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) {
     const int l = 16 * k + 4 * j;
-    q[0][j] = by_row(blk + 16 * (64 * h + l));
-    q[1][j] = by_row(blk + 16 * (64 * h + 32 + l));
-    hb[j] = by_row(blk + 16 * (128 + 32 * h + l));
+    q[0][j] = load_quads(blk + 16 * (64 * h + l));
+    q[1][j] = load_quads(blk + 16 * (64 * h + 32 + l));
+    hb[j] = load_quads(blk + 16 * (128 + 32 * h + l));
   }
 }
 
@@ -110,7 +110,7 @@ void Q5_0x16::dot_groups(const uint8_t* blk, F&& f) {
   const Lanes dq = to_quads(d), mq = to_quads(d * -16.0f);
   Quads v[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) v[j] = by_row(blk + 96 + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
+  for (int j = 0; j < 4; ++j) v[j] = load_quads(blk + 96 + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
   auto part = [&](auto p) {  // values 16 p + 4 j + (0, 2, 1, 3) of a row: bits of its mask's nibble 4 p + j
     Quads u[4];
 #pragma GCC unroll 4

@@ -225,6 +225,24 @@ def _tile_shape(format: int, data: torch.Tensor) -> tuple[int, int, int, int, in
     return data.shape[0] // 16, (data.shape[1] - extra) // size, size, head, field, extra
 
 
+def _quad_runs(format: int) -> tuple[int, int] | None:
+    """The runs (byte j of a GGUF block: run j, 16 rows each) that a tile block of ``format`` stores 4 at a time in
+    the order AVX2's integer products load them (the C++ ``quad_runs``), or None where they stay in row order."""
+    runs = torch.ops.kvgen.tile_quads(format)
+    return (runs[0], runs[1]) if runs else None
+
+
+def _quad_source(o: int) -> int:
+    """Byte ``o`` of 4 runs stored for AVX2 is byte ``16 * run + row`` of the runs in row order: 32 bytes of rows
+    0-3 and 8-11, then 32 of rows 4-7 and 12-15, each row's 4 bytes from runs 0, 2, 1, 3 (the C++ ``quad_source``)."""
+    half, lane = o // 32, o % 32 // 4
+    return 16 * (0, 2, 1, 3)[o % 4] + 4 * half + lane % 4 + 8 * (lane // 4)
+
+
+_QUAD_TARGET = torch.empty(64, dtype=torch.long)  # where byte 16 * run + row of 4 runs in row order is stored
+_QUAD_TARGET[[_quad_source(o) for o in range(64)]] = torch.arange(64)
+
+
 def tiled_sizes(weight: PackedWeight) -> list[int]:
     """The bytes of each segment that :func:`tile_rows` copies into tiles (for a :class:`WeightArena`)."""
     return [data.nbytes for format, data in weight.segments if _tiles(format, data)]
@@ -258,11 +276,10 @@ def tile_rows(weight: PackedWeight, empty_like=torch.empty_like) -> PackedWeight
     segments, copied = [], []
     for format, data in weight.segments:
         if _tiles(format, data):
-            _, blocks, size, head, field, _ = _tile_shape(format, data)
             out = empty_like(data)
             step = max(16, _TILING_CHUNK // data.shape[1] // 16 * 16)  # rows
             for r0 in range(0, data.shape[0], step):  # each chunk's source released once copied: no second copy
-                torch.ops.kvgen.tile_rows_(out[r0:r0 + step], data[r0:r0 + step], blocks, size, head, field)
+                torch.ops.kvgen.tile_rows_(out[r0:r0 + step], data[r0:r0 + step], 2000 + format)
                 release_file_pages([data[r0:r0 + step]])
             copied.append(data)
             format, data = 2000 + format, out
@@ -290,7 +307,13 @@ def untile_rows(weight: PackedWeight) -> PackedWeight:
             tile = data.view(tiles, -1)
             t = tile[:, :blocks * 16 * size].view(tiles, blocks, 16 * size)
             heads = t[..., :16 * head].unflatten(-1, (head // field, 16, field)).transpose(-3, -2)  # (.., 16, n, field)
-            values = t[..., 16 * head:].unflatten(-1, (size - head, 16)).transpose(-1, -2)  # (.., 16 rows, bytes)
+            values = t[..., 16 * head:]  # (tiles, blocks, 16 * (size - head)): run j - head holds byte j of 16 rows
+            quads = _quad_runs(format)
+            if quads:  # those runs back in row order
+                lo, hi = 16 * (quads[0] - head), 16 * (quads[1] - head)
+                stored = values[..., lo:hi].unflatten(-1, (-1, 64))  # (tiles, blocks, chunks, 64)
+                values = torch.cat([values[..., :lo], stored[..., _QUAD_TARGET].flatten(-2), values[..., hi:]], -1)
+            values = values.unflatten(-1, (size - head, 16)).transpose(-1, -2)  # (.., 16 rows, bytes)
             block = torch.cat([heads.flatten(-2), values], dim=-1)  # (tiles, blocks, 16 rows, size)
             extras = tile[:, blocks * 16 * size:].view(tiles, 16, extra)
             rows = torch.cat([block.transpose(1, 2).flatten(2), extras], dim=-1)  # (tiles, 16 rows, row bytes)
@@ -310,7 +333,12 @@ def stored_positions(format: int, data: torch.Tensor, positions: torch.Tensor) -
     block, at = column // size, column % size
     tile, lane = row // 16 * 16 * data.shape[1], row % 16  # the tile's first byte, the row's lane
     in_head = 16 * field * (at // field) + field * lane + at % field  # the 16 rows' head fields, one after the other
-    in_values = 16 * head + 16 * (at - head) + lane  # byte j of the 16 rows' other bytes
+    in_values = 16 * at + lane  # byte j of the 16 rows' other bytes
+    quads = _quad_runs(format)
+    if quads:  # 4 runs at a time in AVX2's order
+        run = at - quads[0]
+        in_quads = 16 * quads[0] + 64 * (run // 4) + _QUAD_TARGET[16 * (run % 4) + lane]
+        in_values = torch.where((at >= quads[0]) & (at < quads[1]), in_quads, in_values)
     in_blocks = block * 16 * size + torch.where(at < head, in_head, in_values)
     in_extra = blocks * 16 * size + extra * lane + column - blocks * size  # after the blocks: the rows' extra bytes
     return tile + torch.where(column < blocks * size, in_blocks, in_extra)
