@@ -126,7 +126,9 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
     Lanes acc{{_mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = tile + b * TB;
-      for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(blk + 4096 + l);
+      // the next block a line at a time as this one's is read (its head and scales first): all of a block's lines at
+      // its start, 4 kB ahead, ran 0.85-0.99x this (Qwen2.5-1.5B's ffn_gate / ffn_up / attn_output, AMD EPYC Zen 3)
+      for (int64_t l = 0; l < 256; l += 64) __builtin_prefetch(blk + TB + l);
       const uint8_t* run = blk + 64;
       vf d[8], m[8];
       k_scales16(blk, d, m);
@@ -138,6 +140,7 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
           for (int q = 0; q < 8; ++q) {  // values 64 c + 32 g + 4 q ..
             __m256i u[2];
             if (g == 0) {
+              __builtin_prefetch(run + 16 * (12 + 32 * c + 4 * q) + TB);
               const Quads v = load_quads(run + 16 * (12 + 32 * c + 4 * q));
               for (int i = 0; i < 2; ++i) {
                 u[i] = _mm256_and_si256(v.h[i], n15);
@@ -188,7 +191,9 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
     Lanes acc{{_mm256_setzero_ps(), _mm256_setzero_ps()}};
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = tile + b * TB;
-      for (int64_t l = 0; l < TB; l += 64) __builtin_prefetch(blk + 4096 + l);
+      // the next block a line at a time as this one's is read (scales and d first): its lines all at its start, 4 kB
+      // ahead, ran 0.83-0.91x this on Qwen2.5-1.5B's output head and Q6_K down products (AMD EPYC Zen 3)
+      for (int64_t l = 16 * 192; l < TB; l += 64) __builtin_prefetch(blk + TB + l);
       const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
       const vf dd = f16_fields(&bits);
       // values 128 h + 32 s + 16 k + l (l = 0..15): group 8 h + 2 s + k; low 4 bits in runs 64 h + 32 (s % 2) + 16 k +
@@ -201,6 +206,8 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
         __m256i part[3][2], sum[2];
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
+          __builtin_prefetch(low + 64 * j + TB);
+          if (S == 0) __builtin_prefetch(top + 64 * j + TB);
           const Quads v = load_quads(low + 64 * j), hb = load_quads(top + 64 * j);
           const __m256i u[2] = {q6k_quad<S>(v.h[0], hb.h[0]), q6k_quad<S>(v.h[1], hb.h[1])};
           const int8_t* xq = levels + b * Q6_K::QK + k0 + 4 * j;
