@@ -103,7 +103,9 @@ def main() -> None:
             first = ops[0](x, [segments[0][1]], [segments[0][0]])
             for op, namespace in zip(ops[1:], names[1:]):
                 error = ((op(x, [segments[0][1]], [segments[0][0]]) - first).abs().max() / first.abs().max()).item()
-                assert error < 1e-5, f"{namespace} gives other products ({error:.1e} of the largest)"
+                assert error < 1e-5, (f"{namespace} gives other products ({error:.1e} of the largest): a wrong "
+                                      "kernel, or a tree older than this one's tile layout (AVX2's runs stored "
+                                      "in Quads order since 14375a2), which reads these tiles otherwise")
             for threads in map(int, args.threads.split(",")):
                 torch.set_num_threads(threads)
                 times = [[] for _ in ops]

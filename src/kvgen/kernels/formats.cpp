@@ -97,11 +97,9 @@ void tile_one(const uint8_t* first, int64_t stride, int64_t blocks, int64_t size
     for (int64_t j = head; j < whole; j += 16) transpose16(in + j, stride, block + 16 * j);  // byte j of row r: 16 j + r
     for (int64_t j = whole; j < size; ++j)
       for (int64_t lane = 0; lane < 16; ++lane) block[16 * j + lane] = in[lane * stride + j];
-    for (int64_t j = q[0]; j < q[1]; j += 4) {
-      uint8_t runs[64];
-      std::memcpy(runs, block + 16 * j, 64);
-      for (int o = 0; o < 64; ++o) block[16 * j + o] = runs[quad_source(o)];
-    }
+#if defined(KVGEN_DOT2)
+    for (int64_t j = q[0]; j < q[1]; j += 4) quads_from_rows(block + 16 * j, block + 16 * j);
+#endif
   }
   for (int64_t lane = 0; lane < 16; ++lane)
     std::memcpy(tile + 16 * blocks * size + extra * lane, first + lane * stride + blocks * size, extra);

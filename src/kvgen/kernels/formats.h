@@ -334,29 +334,6 @@ constexpr std::array<int, 2> quad_runs() {
   return {0, 0};
 }
 
-// byte o of 4 runs stored as Quads: byte quad_source(o) of the 4 runs in row order (16 * run + row)
-constexpr int quad_source(int o) {
-  constexpr int RUN[4] = {0, 2, 1, 3};
-  const int half = o / 32, lane = o % 32 / 4;  // lanes of a half: rows 4 half + 0-3, 4 half + 8-11
-  return 16 * RUN[o % 4] + 4 * half + lane % 4 + 8 * (lane / 4);
-}
-// and back: where byte 16 * run + row of 4 runs in row order is stored
-struct QuadTarget {
-  uint8_t at[64];
-  constexpr QuadTarget() : at{} {
-    for (int o = 0; o < 64; ++o) at[quad_source(o)] = (uint8_t)o;
-  }
-};
-inline constexpr QuadTarget QUAD_TARGET{};
-
-// where byte v (v >= T::HEAD) of row i of a GGUF block lies in its tile block
-template <class T>
-constexpr int64_t run_byte(int v, int i) {
-  constexpr std::array<int, 2> q = quad_runs<T>();
-  if (v < q[0] || v >= q[1]) return 16 * v + i;
-  return 16 * q[0] + 64 * ((v - q[0]) / 4) + QUAD_TARGET.at[16 * ((v - q[0]) % 4) + i];
-}
-
 template <class T>
 constexpr bool tiled() {
   if constexpr (requires { T::TILED; }) return T::TILED;
@@ -413,21 +390,31 @@ template <class T>
 void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, float* out,
                      int64_t ld);
 
-// the tiles whose first row lies in n0..n1: 16 rows each, back to GGUF blocks, then the format's own decode
+// the tiles whose first row lies in n0..n1: 16 rows each, back to GGUF blocks (AVX2's Quads back in row order
+// first), then the format's own decode
 template <class T>
 void dequantize_tiles(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, float* out, int64_t ld) {
   using G = typename T::Gguf;
   constexpr int FIELD = field_bytes<T>(), TAIL = has_row_scale<T>() ? 4 : 0;  // TAIL: a row's scale after its blocks
   const int64_t nb = K / G::QK, TB = 16 * G::BYTES, rb = nb * G::BYTES + TAIL;
-  std::vector<uint8_t> rows(16 * rb);  // one tile as 16 rows
+  constexpr std::array<int, 2> q = quad_runs<T>();
+  std::vector<uint8_t> rows(16 * rb), runs(q[1] > q[0] ? nb * TB : 0);  // one tile as 16 rows; its runs in row order
   for (int64_t t = (n0 + 15) / 16; t * 16 < n1; ++t) {
     const uint8_t* tile = w + t * 16 * rb;
+#if defined(KVGEN_DOT2)
+    if constexpr (q[1] > q[0]) {
+      std::memcpy(runs.data(), tile, nb * TB);
+      for (int64_t b = 0; b < nb; ++b)
+        for (int j = q[0]; j < q[1]; j += 4) rows_from_quads(runs.data() + b * TB + 16 * j, runs.data() + b * TB + 16 * j);
+      tile = runs.data();
+    }
+#endif
     for (int i = 0; i < 16; ++i) {
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* g = rows.data() + i * rb + b * G::BYTES;
         for (int f = 0; f < T::HEAD / FIELD; ++f)
           std::memcpy(g + FIELD * f, tile + b * TB + 16 * FIELD * f + FIELD * i, FIELD);
-        for (int v = T::HEAD; v < G::BYTES; ++v) g[v] = tile[b * TB + run_byte<T>(v, i)];
+        for (int v = T::HEAD; v < G::BYTES; ++v) g[v] = tile[b * TB + 16 * v + i];
       }
       std::memcpy(rows.data() + i * rb + nb * G::BYTES, tile + nb * TB + TAIL * i, TAIL);
     }

@@ -317,6 +317,27 @@ inline Quads load_quads(const uint8_t* p) {
   return {{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))}};
 }
+// 4 runs of 16 bytes (byte i of run a: row i) at p -> as Quads at out (may be p): what tile_rows stores
+inline void quads_from_rows(const uint8_t* p, uint8_t* out) {
+  const __m256i ab = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0xD8);
+  const __m256i cd = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 0xD8);
+  // ab: runs 0, 1 of rows 0-7 | the same of rows 8-15; ac: (run 0, run 2) a row, bd: (run 1, run 3)
+  const __m256i ac = _mm256_unpacklo_epi8(ab, cd), bd = _mm256_unpackhi_epi8(ab, cd);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_unpacklo_epi16(ac, bd));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_unpackhi_epi16(ac, bd));
+}
+// and back: Quads at p -> 4 runs in row order at out (may be p)
+inline void rows_from_quads(const uint8_t* p, uint8_t* out) {
+  // each row's bytes (runs 0, 2, 1, 3) -> each lane's 4 rows run by run
+  const __m256i by_run = _mm256_setr_epi8(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15, 0, 4, 8, 12, 2, 6, 10,
+                                          14, 1, 5, 9, 13, 3, 7, 11, 15);
+  const __m256i h0 = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), by_run);
+  const __m256i h1 = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), by_run);
+  // h0: rows 0-3 | rows 8-11, h1: rows 4-7 | rows 12-15; lo: runs 0, 1 of rows 0-7 | of rows 8-15, hi: runs 2, 3
+  const __m256i lo = _mm256_unpacklo_epi32(h0, h1), hi = _mm256_unpackhi_epi32(h0, h1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(lo, 0xD8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_permute4x64_epi64(hi, 0xD8));
+}
 inline Quads low4(const Quads& v) {
   const __m256i n = _mm256_set1_epi8(15);
   return {{_mm256_and_si256(v.h[0], n), _mm256_and_si256(v.h[1], n)}};
