@@ -234,7 +234,7 @@ def _quad_runs(format: int) -> tuple[int, int] | None:
 
 def _quad_source(o: int) -> int:
     """Byte ``o`` of 4 runs stored for AVX2 is byte ``16 * run + row`` of the runs in row order: 32 bytes of rows
-    0-3 and 8-11, then 32 of rows 4-7 and 12-15, each row's 4 bytes from runs 0, 2, 1, 3 (the C++ ``quad_source``)."""
+    0-3 and 8-11, then 32 of rows 4-7 and 12-15, each row's 4 bytes from runs 0, 2, 1, 3 (simd.h's ``Quads``)."""
     half, lane = o // 32, o % 32 // 4
     return 16 * (0, 2, 1, 3)[o % 4] + 4 * half + lane % 4 + 8 * (lane // 4)
 
@@ -260,7 +260,9 @@ def tile_rows(weight: PackedWeight, empty_like=torch.empty_like) -> PackedWeight
     Q5_0's 32-bit mask of 5th bits as two 2-byte fields or Q4_K's dmin; Q6_K and int8 have none; int4's
     float32 scale and min), then byte j of each row's remaining block bytes for every j, and after the last
     block the 16 rows' extra bytes (int8's float32 scales): the bytes of 16 rows in another
-    order, so that a one-row product decodes 16 rows' values per instruction (1.3-1.8x faster). The values,
+    order, so that a one-row product decodes 16 rows' values per instruction (1.3-1.8x faster). Where AVX2's
+    integer products run, each 4 runs of a block's values (byte j of the 16 rows: run j) are stored in the order
+    they load them (:func:`_quad_source`; ``torch.ops.kvgen.tile_quads`` names the runs). The values,
     ``dequantize`` and embedding lookups are unchanged. The tiles go where ``empty_like`` puts them
     (a :class:`~kvgen.models.weight_arena.WeightArena`'s); file-mapped sources are released as they are
     copied, 8 MB at a time (:func:`release_file_pages`): a load's peak holds the model once, not a large weight
