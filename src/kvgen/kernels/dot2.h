@@ -86,10 +86,11 @@ inline void add_group(Lanes& acc, const __m256i (&dot)[2], const Lanes& d, const
   }
 }
 
-// part[l] (each half of the rows; `first`: set, else added to) the products of a quad u of 16 rows' 4 stored values
-// with level l's 4 values at xq + l K, in int16 (vpmaddubsw)
+// part[l] (each half of the rows; set where this quad is the first of level 0's sum (first_high) or of levels 1 and
+// 2's (first_low), else added to) the products of a quad u of 16 rows' 4 stored values with level l's 4 values at
+// xq + l K, in int16 (vpmaddubsw)
 __attribute__((always_inline)) inline void add_quad(__m256i (&part)[3][2], const __m256i (&u)[2], const int8_t* xq,
-                                                    int64_t K, bool first) {
+                                                    int64_t K, bool first_high, bool first_low) {
 #pragma GCC unroll 3
   for (int l = 0; l < 3; ++l) {
     int32_t quad;
@@ -97,7 +98,7 @@ __attribute__((always_inline)) inline void add_quad(__m256i (&part)[3][2], const
     const __m256i xb = _mm256_set1_epi32(quad);
     for (int i = 0; i < 2; ++i) {
       const __m256i p = _mm256_maddubs_epi16(u[i], xb);
-      part[l][i] = first ? p : _mm256_add_epi16(part[l][i], p);
+      part[l][i] = (l == 0 ? first_high : first_low) ? p : _mm256_add_epi16(part[l][i], p);
     }
   }
 }
@@ -150,7 +151,7 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
               u[0] = high[q][0];
               u[1] = high[q][1];
             }
-            add_quad(part, u, levels + b * Q4_K::QK + 64 * c + 32 * g + 4 * q, K, q == 0);
+            add_quad(part, u, levels + b * Q4_K::QK + 64 * c + 32 * g + 4 * q, K, q == 0, q == 0);
           }
           __m256i sum[2];
           weigh_levels(part, sum);
@@ -210,17 +211,7 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
           if (S == 0) __builtin_prefetch(top + 64 * j + TB);
           const Quads v = load_quads(low + 64 * j), hb = load_quads(top + 64 * j);
           const __m256i u[2] = {q6k_quad<S>(v.h[0], hb.h[0]), q6k_quad<S>(v.h[1], hb.h[1])};
-          const int8_t* xq = levels + b * Q6_K::QK + k0 + 4 * j;
-#pragma GCC unroll 3
-          for (int l = 0; l < 3; ++l) {
-            int32_t quad;
-            std::memcpy(&quad, xq + l * K, 4);
-            const __m256i xb = _mm256_set1_epi32(quad);
-            for (int i = 0; i < 2; ++i) {
-              const __m256i p = _mm256_maddubs_epi16(u[i], xb);
-              part[l][i] = j == (l == 0 ? 2 * (j / 2) : 0) ? p : _mm256_add_epi16(part[l][i], p);
-            }
-          }
+          add_quad(part, u, levels + b * Q6_K::QK + k0 + 4 * j, K, j % 2 == 0, j == 0);
           if (j % 2 == 1)
             for (int i = 0; i < 2; ++i) {
               const __m256i high = _mm256_madd_epi16(part[0][i], _mm256_set1_epi16(1 << 14));

@@ -38,7 +38,7 @@ void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   for (int c = 0; c < 4; ++c) {  // byte i of chunk c: value 64 c + i (low nibble, group 2 c), 64 c + 32 + i (high)
     const Lanes d0 = to_quads(d[2 * c]), m0 = to_quads(m[2 * c]), d1 = to_quads(d[2 * c + 1]),
                 m1 = to_quads(m[2 * c + 1]);
-    auto half = [&](auto part) {  // runs 4 j .. for j in 4 part .. 4 part + 3, permuted once for both groups
+    auto half = [&](auto part) {  // runs 4 j .. for j in 4 part .. 4 part + 3, loaded once for both groups
       Quads v[4], u[4];
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) v[j] = load_quads(run + 16 * (12 + 32 * c + 16 * part + 4 * j));
@@ -55,7 +55,7 @@ void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
 }
 
 // the runs of a Q6_K tile block's values 128 h + 32 s + 16 k + 4 j .. (j = 0..3) in Quads: their low 4 bits for s =
-// 0, 2 (q[0][j]) and s = 1, 3 (q[1][j]), their top 2 bits for every s (hb[j]); each run permuted once for the 4
+// 0, 2 (q[0][j]) and s = 1, 3 (q[1][j]), their top 2 bits for every s (hb[j]); each run loaded once for the 4
 // groups that read it
 inline void q6k_runs(const uint8_t* blk, int h, int k, Quads (&q)[2][4], Quads (&hb)[4]) {
 #pragma GCC unroll 4
