@@ -405,7 +405,10 @@ void dequantize_tiles(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, float
     if constexpr (q[1] > q[0]) {
       std::memcpy(runs.data(), tile, nb * TB);
       for (int64_t b = 0; b < nb; ++b)
-        for (int j = q[0]; j < q[1]; j += 4) rows_from_quads(runs.data() + b * TB + 16 * j, runs.data() + b * TB + 16 * j);
+        for (int j = q[0]; j < q[1]; j += 4) {
+          uint8_t* four = runs.data() + b * TB + 16 * j;
+          rows_from_quads(four, four);
+        }
       tile = runs.data();
     }
 #endif

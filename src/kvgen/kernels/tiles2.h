@@ -21,7 +21,8 @@ void Nibbles16<G, H, BASE>::dot_groups(const uint8_t* blk, F&& f) {
   const Lanes dq = to_quads(d), mq = to_quads(G::HAS_MIN ? f16_fields(blk + 32) : d * (float)BASE);
   Quads v[4], u[4];
 #pragma GCC unroll 4
-  for (int j = 0; j < 4; ++j) v[j] = load_quads(blk + 16 * H + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
+  for (int j = 0; j < 4; ++j)  // runs 4 j ..: values 4 j + a (low nibbles), 16 + 4 j + a (high)
+    v[j] = load_quads(blk + 16 * H + 64 * j);
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) u[j] = low4(v[j]);
   f(Int<0>{}, Int<0>{}, 0, u, dq, mq);
