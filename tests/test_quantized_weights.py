@@ -81,14 +81,16 @@ def test_kernels_match_gguf_on_synthetic_blocks(qtype):
     check_against_gguf(random_raw(qtype, 48, 512), qtype, 512)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_integer_dot_products_at_their_largest_sums(qtype):
     """Every stored value at its largest code and every input value at the largest rounded magnitude: the integer
     dot products sum a group's three levels in int32, which holds 32 x 31 (16 x 63) x 127 * 2^14 with little to
-    spare; a wider bound or a misplaced shift wraps the sums and fails this."""
+    spare; a wider bound or a misplaced shift wraps the sums and fails this. Q8_0's largest is -128: AVX2 multiplies
+    its magnitude, 128, by a level (2 x 128 x 127 fills vpmaddubsw's 16-bit lane)."""
     block, nbytes = GGML_QUANT_SIZES[qtype]
-    raw = np.full((16, 256 // block, nbytes), 0xFF, dtype=np.uint8)  # all bits set: every code at its maximum
-    scales = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]
+    # all bits set: every code at its maximum (Q8_0: every value -128)
+    raw = np.full((16, 256 // block, nbytes), 0x80 if qtype == Q.Q8_0 else 0xFF, dtype=np.uint8)
+    scales = {Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q8_0: [0], Q.Q4_K: [0, 2], Q.Q6_K: [208]}[qtype]
     for at in scales:
         raw[:, :, at:at + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
     if qtype == Q.Q6_K:
@@ -424,7 +426,7 @@ def test_gguf_loads_in_its_stored_types_by_default(smollm_pair):
     assert quantized.weight_format == "Q8_0+Q4_1" and reference.weight_format == "float32"
     layer = quantized.model.layers[0]
     assert layer.mlp.down_proj.formats == [2003] and layer.self_attn.qkv_proj.formats == [2003] * 3  # in tiles
-    # Q8_0 in tiles where they take integer dot products (AVX-512 VNNI), else in rows
+    # Q8_0 in tiles where they take integer dot products (AVX-512 VNNI, AVX2), else in rows
     assert quantized.model.embed_tokens.formats == [2008 if 2008 in integer_dot_formats() else 8]
     with pytest.raises(ValueError, match="tiles"):
         layer.mlp.down_proj.weight.permute_rows(torch.arange(576))

@@ -424,7 +424,7 @@ std::vector<int64_t> integer_dot_formats() {
 #if defined(KVGEN_DOT8)
   return {2002, 2003, 2006, 2008, 2012, 2014, 3008, 3032, 3064, 3128};
 #elif defined(KVGEN_DOT2)
-  return {2002, 2003, 2006, 2012, 2014};
+  return {2002, 2003, 2006, 2008, 2012, 2014};
 #else
   return {};
 #endif

@@ -237,8 +237,67 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
   }
 }
 
+// y[r, 16 t + i] for Q8_0 tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input. Its values are signed bytes
+// and vpmaddubsw multiplies unsigned ones by signed: each quad takes |w| (vpabsb) by the level with w's sign (vpsignb:
+// |w| * sign(w) x = w x, 0 where w = 0). 2 * 128 * 127 fills a 16-bit lane, so each quad's products go to int32
+// (vpmaddwd) at once: level 0's in one sum, levels 1 and 2's weighed 2^7 and 1 in another (at most 32 * 128 * 64 *
+// 129 over a block: no overflow), the block's sum(w * X) = 2^14 level 0 + the other, in float32 (2^14 * 32 * 128 *
+// 127 leaves int32: as AVX-512's biased Q8_0 sums). The rows one after the other over each block (16 registers:
+// the block's 8 quads re-read from L1 for each); the float32 row product it replaces ran at 5 Gw/s on one thread
+// (Qwen2.5-0.5B's 145 MB Q8_0 output head, AMD EPYC Zen 3)
+template <int R>
+__attribute__((noinline)) void matmul_q8_0(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0, int64_t t1,
+                                           float* y, int64_t ldy) {
+  constexpr int64_t TB = 16 * Q8_0::BYTES;
+  const int64_t K = x.K, nb = K / Q8_0::QK;
+  const int8_t* levels = x.levels.data() + r0 * 3 * K;
+  const __m256i ones = _mm256_set1_epi16(1), l1 = _mm256_set1_epi16(1 << 7);
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * nb * TB;
+    Lanes acc[R];
+    for (int r = 0; r < R; ++r) acc[r].h[0] = acc[r].h[1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = tile + b * TB;
+      __builtin_prefetch(blk + TB);  // the next block's d, its quads as this block's are read
+      const Lanes d = to_quads(f16_fields(blk));
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = levels + r * 3 * K + b * Q8_0::QK;
+        __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, low[2] = {high[0], high[1]};
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) {
+          if (r == 0) __builtin_prefetch(blk + TB + 32 + 64 * q);
+          const Quads v = load_quads(blk + 32 + 64 * q);
+          const __m256i a[2] = {_mm256_abs_epi8(v.h[0]), _mm256_abs_epi8(v.h[1])};
+#pragma GCC unroll 3
+          for (int l = 0; l < 3; ++l) {
+            int32_t quad;
+            std::memcpy(&quad, xq + l * K + 4 * q, 4);
+            const __m256i xb = _mm256_set1_epi32(quad);
+            for (int i = 0; i < 2; ++i) {
+              const __m256i p = _mm256_maddubs_epi16(a[i], _mm256_sign_epi8(xb, v.h[i]));
+              if (l == 0) high[i] = _mm256_add_epi32(high[i], _mm256_madd_epi16(p, ones));
+              else low[i] = _mm256_add_epi32(low[i], _mm256_madd_epi16(p, l == 1 ? l1 : ones));
+            }
+          }
+        }
+        const __m256 s = _mm256_set1_ps(x.scales[(r0 + r) * (K / 32) + b]);
+        for (int i = 0; i < 2; ++i) {
+          const __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high[i]), _mm256_set1_ps(16384.0f),
+                                             _mm256_cvtepi32_ps(low[i]));
+          acc[r].h[i] = _mm256_fmadd_ps(_mm256_mul_ps(d.h[i], s), sum, acc[r].h[i]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // Quads' order of rows back to row order
+      _mm256_storeu_ps(y + r * ldy + 16 * t, _mm256_permute2f128_ps(acc[r].h[0], acc[r].h[1], 0x20));
+      _mm256_storeu_ps(y + r * ldy + 16 * t + 8, _mm256_permute2f128_ps(acc[r].h[0], acc[r].h[1], 0x31));
+    }
+  }
+}
+
 // y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input
 template <class T, int R>
+  requires(!std::is_same_v<T, Q8_0x16>)
 __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
                                                 int64_t t1, float* y, int64_t ldy) {
   constexpr int QK = T::Gguf::QK, PARTS = T::GROUP / 16;
@@ -291,6 +350,13 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
       _mm256_storeu_ps(y + r * ldy + 16 * t + 8, _mm256_permute2f128_ps(acc[r].h[0], acc[r].h[1], 0x31));
     }
   }
+}
+
+// the same for Q8_0's tiles
+template <class T, int R>
+  requires std::is_same_v<T, Q8_0x16>
+void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  matmul_q8_0<R>(x, r0, w, t0, t1, y, ldy);
 }
 #endif
 

@@ -232,8 +232,7 @@ struct I8 {
 // a scale, in CH or more independent chains); SLOTS<CH> slots in all. For 32-value blocks with
 // one scale (block32): columns(state, run, j, emit) calls emit(column, v) for the columns whose
 // values run j holds; state(block) is what columns needs of a tile block beyond its run (Q5_0:
-// the 16 rows' 5th bits). Q8_0 stays in rows: its one-row product already streams at the memory's
-// speed (22 GB/s, 2 threads), tiled it did not.
+// the 16 rows' 5th bits). Q8_0 is tiled only where integer dot products take it (Q8_0x16, below).
 template <class G, int H>
 struct Tiled : G {
   static constexpr bool TILED = true;
@@ -269,12 +268,15 @@ struct Q5_0x16 : Tiled<Q5_0, 6> {  // head: d, then the 32-bit mask of 5th bits 
 };
 
 // Q8_0: run j holds value j of the 16 rows (signed bytes); only where the integer dot products run
-// (the float32 one-row product streams Q8_0 rows at the memory's speed, 2 threads: tiles did not help)
+// (the float32 one-row product streams Q8_0 rows at the memory's speed on AVX-512, 2 threads: tiles did not help;
+// on AVX2 it ran at 5 Gw/s on one thread, compute-bound)
 struct Q8_0x16 : Tiled<Q8_0, 2> {
   template <class E> static void columns(None, const uint8_t* run, int j, E&& emit);
   template <int CH, class E, class C> static void block(const uint8_t* blk, E&& emit, C&& close);
   static constexpr bool DOT = true;  // integer dot products (AVX-512 VNNI)
   static constexpr int BIAS = 128;  // dot_groups gives value + 128 (unsigned)
+  // and AVX2's, on the signed values (dot2.h's matmul_q8_0: no dot_groups, no CODE_MAX)
+  static constexpr int QUADS_FIRST = 2, QUADS_TAIL = 0;
   template <int R, class F> static void dot_groups(const uint8_t* blk, F&& f);
 };
 
@@ -329,7 +331,7 @@ struct I4x16 : Tiled<I4<G>, 8> {
 template <class T>
 constexpr std::array<int, 2> quad_runs() {
 #if defined(KVGEN_DOT2)
-  if constexpr (requires { T::CODE_MAX; }) return {T::QUADS_FIRST, T::Gguf::BYTES - T::QUADS_TAIL};
+  if constexpr (requires { T::QUADS_FIRST; }) return {T::QUADS_FIRST, T::Gguf::BYTES - T::QUADS_TAIL};
 #endif
   return {0, 0};
 }
@@ -367,13 +369,13 @@ constexpr int field_bytes() {
 }
 
 // whether T's tiles take integer dot products (dot_groups: AVX-512 VNNI, or AVX2 for stored values of at most 6 bits
-// unsigned: CODE_MAX) on this CPU
+// unsigned, CODE_MAX, and Q8_0's signed bytes: the formats AVX2 reads as Quads) on this CPU
 template <class T>
 constexpr bool has_dot() {
 #if defined(KVGEN_DOT8)
   return requires { T::DOT; };
 #elif defined(KVGEN_DOT2)
-  return requires { T::CODE_MAX; };
+  return requires { T::QUADS_FIRST; };
 #else
   return false;
 #endif

@@ -46,7 +46,7 @@ FORMATS: dict[int, tuple[str, int, int, int]] = {
 TILED_HEADS: dict[int, tuple[int, int]] = {2: (2, 2), 3: (4, 2), 6: (6, 2), 8: (2, 2), 12: (4, 2), 14: (0, 2),
                                            1008: (0, 4), 1032: (8, 4), 1064: (8, 4), 1128: (8, 4)}
 #: formats whose tiles the float32 product runs too; the others are tiled only where their integer dot products
-#: run (:func:`~kvgen.kernels.integer_dot_formats`: Q8_0's float32 product streams its rows as fast as tiles)
+#: run (:func:`~kvgen.kernels.integer_dot_formats`: with AVX-512, Q8_0's float32 product streams its rows as fast)
 _FLOAT_TILES = (2, 3, 6, 12, 14)
 #: tiled formats (2000 + the format in rows, the same bytes in another order) -> rows per tile
 TILED: dict[int, int] = {2000 + t: 16 for t in TILED_HEADS}
