@@ -53,36 +53,6 @@ void embedding(int64_t format, const uint8_t* w, int64_t row_bytes, const int64_
 
 namespace {
 
-// out[16 c + r] = in[r * stride + c] for 16 rows r and 16 columns c: four rounds of interleaves (bytes, pairs, quads,
-// eights), each round pairing rows twice as far apart
-inline void transpose16(const uint8_t* in, int64_t stride, uint8_t* out) {
-#if defined(__SSE2__)
-  __m128i a[16], b[16];
-  for (int r = 0; r < 16; ++r) a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + r * stride));
-  for (int p = 0; p < 8; ++p) {  // rows 2p, 2p + 1: columns 0-7, 8-15
-    b[p] = _mm_unpacklo_epi8(a[2 * p], a[2 * p + 1]);
-    b[8 + p] = _mm_unpackhi_epi8(a[2 * p], a[2 * p + 1]);
-  }
-  for (int h = 0; h < 2; ++h)  // rows 4q .. 4q + 3: columns 8h + 0-3, 8h + 4-7
-    for (int q = 0; q < 4; ++q) {
-      a[8 * h + q] = _mm_unpacklo_epi16(b[8 * h + 2 * q], b[8 * h + 2 * q + 1]);
-      a[8 * h + 4 + q] = _mm_unpackhi_epi16(b[8 * h + 2 * q], b[8 * h + 2 * q + 1]);
-    }
-  for (int g = 0; g < 4; ++g)  // rows 8o .. 8o + 7: columns 4g + 0-1, 4g + 2-3
-    for (int o = 0; o < 2; ++o) {
-      b[4 * g + o] = _mm_unpacklo_epi32(a[4 * g + 2 * o], a[4 * g + 2 * o + 1]);
-      b[4 * g + 2 + o] = _mm_unpackhi_epi32(a[4 * g + 2 * o], a[4 * g + 2 * o + 1]);
-    }
-  for (int h = 0; h < 8; ++h) {  // all 16 rows: columns 2h, 2h + 1
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * h), _mm_unpacklo_epi64(b[2 * h], b[2 * h + 1]));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 32 * h + 16), _mm_unpackhi_epi64(b[2 * h], b[2 * h + 1]));
-  }
-#else
-  for (int r = 0; r < 16; ++r)
-    for (int c = 0; c < 16; ++c) out[16 * c + r] = in[r * stride + c];
-#endif
-}
-
 // one tile of tile_rows, with head fields of F bytes (2: GGUF's float16; 4: kvgen's int4 float32), runs q[0] ..
 // q[1] - 1 of each block stored as Quads (formats.h's quad_runs)
 template <int F>
@@ -94,7 +64,8 @@ void tile_one(const uint8_t* first, int64_t stride, int64_t blocks, int64_t size
     uint8_t* block = tile + b * 16 * size;
     for (int64_t lane = 0; lane < 16; ++lane)
       for (int64_t f = 0; f < head; f += F) std::memcpy(block + 16 * f + F * lane, in + lane * stride + f, F);
-    for (int64_t j = head; j < whole; j += 16) transpose16(in + j, stride, block + 16 * j);  // byte j of row r: 16 j + r
+    for (int64_t j = head; j < whole; j += 16)  // byte j of row r: 16 j + r
+      transpose16(in + j, stride, block + 16 * j, 16);
     for (int64_t j = whole; j < size; ++j)
       for (int64_t lane = 0; lane < 16; ++lane) block[16 * j + lane] = in[lane * stride + j];
 #if defined(KVGEN_DOT2)

@@ -414,15 +414,17 @@ void dequantize_tiles(const uint8_t* w, int64_t n0, int64_t n1, int64_t K, float
       tile = runs.data();
     }
 #endif
-    for (int i = 0; i < 16; ++i) {
-      for (int64_t b = 0; b < nb; ++b) {
-        uint8_t* g = rows.data() + i * rb + b * G::BYTES;
+    constexpr int WHOLE = T::HEAD + (G::BYTES - T::HEAD) / 16 * 16;  // runs transposed back 16 at a time
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* g = rows.data() + b * G::BYTES;  // row i's block b at g + i rb
+      for (int v = T::HEAD; v < WHOLE; v += 16) transpose16(tile + b * TB + 16 * v, 16, g + v, rb);
+      for (int i = 0; i < 16; ++i) {
         for (int f = 0; f < T::HEAD / FIELD; ++f)
-          std::memcpy(g + FIELD * f, tile + b * TB + 16 * FIELD * f + FIELD * i, FIELD);
-        for (int v = T::HEAD; v < G::BYTES; ++v) g[v] = tile[b * TB + 16 * v + i];
+          std::memcpy(g + i * rb + FIELD * f, tile + b * TB + 16 * FIELD * f + FIELD * i, FIELD);
+        for (int v = WHOLE; v < G::BYTES; ++v) g[i * rb + v] = tile[b * TB + 16 * v + i];
       }
-      std::memcpy(rows.data() + i * rb + nb * G::BYTES, tile + nb * TB + TAIL * i, TAIL);
     }
+    for (int i = 0; i < 16; ++i) std::memcpy(rows.data() + i * rb + nb * G::BYTES, tile + nb * TB + TAIL * i, TAIL);
     dequantize_rows<G>(rows.data(), rb, 0, 16, K, out + t * 16 * ld, ld);
   }
 }

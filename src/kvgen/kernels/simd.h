@@ -305,6 +305,37 @@ inline void dpbusd_broadcast(__m512i& acc, const __m512i& u, const int8_t* p) {
 }
 #endif
 
+// out[c * out_stride + r] = in[r * stride + c] for 16 rows r and 16 columns c: four rounds of interleaves (bytes,
+// pairs, quads, eights), each round pairing rows twice as far apart
+inline void transpose16(const uint8_t* in, int64_t stride, uint8_t* out, int64_t out_stride) {
+#if defined(__SSE2__)
+  __m128i a[16], b[16];
+  for (int r = 0; r < 16; ++r) a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + r * stride));
+  for (int p = 0; p < 8; ++p) {  // rows 2p, 2p + 1: columns 0-7, 8-15
+    b[p] = _mm_unpacklo_epi8(a[2 * p], a[2 * p + 1]);
+    b[8 + p] = _mm_unpackhi_epi8(a[2 * p], a[2 * p + 1]);
+  }
+  for (int h = 0; h < 2; ++h)  // rows 4q .. 4q + 3: columns 8h + 0-3, 8h + 4-7
+    for (int q = 0; q < 4; ++q) {
+      a[8 * h + q] = _mm_unpacklo_epi16(b[8 * h + 2 * q], b[8 * h + 2 * q + 1]);
+      a[8 * h + 4 + q] = _mm_unpackhi_epi16(b[8 * h + 2 * q], b[8 * h + 2 * q + 1]);
+    }
+  for (int g = 0; g < 4; ++g)  // rows 8o .. 8o + 7: columns 4g + 0-1, 4g + 2-3
+    for (int o = 0; o < 2; ++o) {
+      b[4 * g + o] = _mm_unpacklo_epi32(a[4 * g + 2 * o], a[4 * g + 2 * o + 1]);
+      b[4 * g + 2 + o] = _mm_unpackhi_epi32(a[4 * g + 2 * o], a[4 * g + 2 * o + 1]);
+    }
+  for (int h = 0; h < 8; ++h) {  // all 16 rows: columns 2h, 2h + 1
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 2 * h * out_stride), _mm_unpacklo_epi64(b[2 * h], b[2 * h + 1]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + (2 * h + 1) * out_stride),
+                     _mm_unpackhi_epi64(b[2 * h], b[2 * h + 1]));
+  }
+#else
+  for (int r = 0; r < 16; ++r)
+    for (int c = 0; c < 16; ++c) out[c * out_stride + r] = in[r * stride + c];
+#endif
+}
+
 #if defined(KVGEN_DOT2)
 // 16 rows' 4 bytes each in two registers, as by_row's one 64-byte register: lanes in the order rows 0-3, 8-11 (h[0])
 // and 4-7, 12-15 (h[1]), each row's bytes from runs 0, 2, 1, 3 (what two byte and two word interleaves within
