@@ -140,7 +140,7 @@ def unavailable_reason() -> str | None:
 @functools.cache
 def integer_dot_formats() -> frozenset[int]:
     """Weight formats whose products take integer dot products on this CPU (AVX-512 VNNI; AVX2 without it: the 4-6-bit
-    GGUF formats in tiles); empty elsewhere."""
+    GGUF formats and Q8_0 in tiles); empty elsewhere."""
     return frozenset(torch.ops.kvgen.integer_dot_formats()) if kernels_available() else frozenset()
 
 

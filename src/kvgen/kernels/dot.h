@@ -17,14 +17,14 @@ namespace kvgen {
 
 #if defined(KVGEN_DOTS)
 // ---- Integer dot products for the tiled formats: AVX-512 VNNI's vpdpbusd (4-6 bits; Q8_0's values + 128 as unsigned
-// bytes, 128 * sum(X) subtracted again in int32) or AVX2's vpmaddubsw (4-6 bits: dot2.h). The float32 path (dot.cpp's
-// matmul_tiles) needs one multiply-add per weight and input row after widening each value to float32: one thread
-// ran compute-bound at 10-14 GB/s of stored bytes (Zen 4). Here the input rows are rounded to 21 bits and a sign per
-// block of 32 values, x~ = X * s with s = max|x| / (127 * 2^14) and X split into three int8 levels X = X1 * 2^14 +
-// X2 * 2^7 + X3, and each group's sum(q * X) is three exact integer dot products of the unsigned stored values with
-// the levels (vpdpbusd: 4 products a lane per instruction; vpmaddubsw: 2, summed in int16 while they fit), combined
-// exactly, rounded once: d * s * sum(q * X) + m * sum(x~) per row. So the product is W @ x~ up to float32 rounding;
-// x~ differs from x by at most max|x| / 2^22 per block (float32 itself rounds at 2^-24 of each value).
+// bytes, 128 * sum(X) subtracted again in int32) or AVX2's vpmaddubsw (4-6 bits, Q8_0: dot2.h). The float32 path
+// (dot.cpp's matmul_tiles) needs one multiply-add per weight and input row after widening each value to float32: one
+// thread ran compute-bound at 10-14 GB/s of stored bytes (Zen 4). Here the input rows are rounded to 21 bits and a sign
+// per block of 32 values, x~ = X * s with s = max|x| / (127 * 2^14) and X split into three int8 levels X = X1 * 2^14 +
+// X2 * 2^7 + X3, and each group's sum(q * X) is three exact integer dot products of the unsigned stored values with the
+// levels (vpdpbusd: 4 products a lane per instruction; vpmaddubsw: 2, summed in int16 while they fit), combined
+// exactly, rounded once: d * s * sum(q * X) + m * sum(x~) per row. So the product is W @ x~ up to float32 rounding; x~
+// differs from x by at most max|x| / 2^22 per block (float32 itself rounds at 2^-24 of each value).
 constexpr float XQ_MAX = 127.0f * 16384.0f;
 
 // the input rows, rounded for the integer dot products (dot.cpp's round_x): levels (R, 3, K) int8 (with AVX2's
@@ -82,7 +82,8 @@ int64_t product_grain(const Product& p);
 // y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel
 void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp);
 
-// the formats whose products take integer dot products on this CPU (AVX-512 VNNI; AVX2: the 4-6-bit tiles), else none
+// the formats whose products take integer dot products on this CPU (AVX-512 VNNI; AVX2: the 4-6-bit tiles and Q8_0),
+// else none
 std::vector<int64_t> integer_dot_formats();
 
 // the instruction of those products: "vpdpbusd" (AVX-512 VNNI), "vpmaddubsw" (AVX2) or "" (none)

@@ -6,7 +6,8 @@
 // layers, one process alternating): Q4_K 1.0-1.3x, Q6_K 1.2-1.6x and Q5_0 1.3-1.4x at 1 row, 1.1-1.6x at 4; at 2 rows
 // Q4_K 0.82-0.95x (its registers spill), Q5_0 1.3-1.5x. (Parts of 16 values of 8 rows at a time, 4 registers of u,
 // ran 0.7-1.0x these.) One input row (a decode step) of Q4_K and Q6_K takes loops of its own, a group at a time
-// (matmul_q4k_row, matmul_q6k_row: 1.04-1.22x these). Included by dot.cpp.
+// (matmul_q4k_row, matmul_q6k_row: 1.04-1.22x these); Q8_0's signed bytes one of their own for any rows
+// (matmul_q8_0). Included by dot.cpp.
 #pragma once
 
 #include <algorithm>

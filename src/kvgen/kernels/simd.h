@@ -20,7 +20,7 @@
 #endif
 #endif
 #elif defined(__AVX2__)
-#define KVGEN_DOT2 1  // the same integer sums by vpmaddubsw for the 4-6-bit tiled formats: dot2.h, tiles2.h
+#define KVGEN_DOT2 1  // the same integer sums by vpmaddubsw for the 4-6-bit tiled formats and Q8_0: dot2.h, tiles2.h
 #endif
 #if defined(KVGEN_DOT8) || defined(KVGEN_DOT2)
 #define KVGEN_DOTS 1  // some integer dot products: the input rounded to three int8 levels (dot.h's RoundedX)
