@@ -161,8 +161,7 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
         }
       }
     }
-    _mm256_storeu_ps(y + 16 * t, _mm256_permute2f128_ps(acc.h[0], acc.h[1], 0x20));
-    _mm256_storeu_ps(y + 16 * t + 8, _mm256_permute2f128_ps(acc.h[0], acc.h[1], 0x31));
+    store_rows(y + 16 * t, acc);
   }
 }
 
@@ -233,8 +232,7 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
           group(h, k, Int<3>{});
         }
     }
-    _mm256_storeu_ps(y + 16 * t, _mm256_permute2f128_ps(acc.h[0], acc.h[1], 0x20));
-    _mm256_storeu_ps(y + 16 * t + 8, _mm256_permute2f128_ps(acc.h[0], acc.h[1], 0x31));
+    store_rows(y + 16 * t, acc);
   }
 }
 
@@ -289,10 +287,7 @@ __attribute__((noinline)) void matmul_q8_0(const RoundedX& x, int64_t r0, const 
         }
       }
     }
-    for (int r = 0; r < R; ++r) {  // Quads' order of rows back to row order
-      _mm256_storeu_ps(y + r * ldy + 16 * t, _mm256_permute2f128_ps(acc[r].h[0], acc[r].h[1], 0x20));
-      _mm256_storeu_ps(y + r * ldy + 16 * t + 8, _mm256_permute2f128_ps(acc[r].h[0], acc[r].h[1], 0x31));
-    }
+    for (int r = 0; r < R; ++r) store_rows(y + r * ldy + 16 * t, acc[r]);
   }
 }
 
@@ -346,10 +341,7 @@ __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, c
         }
       });
     }
-    for (int r = 0; r < R; ++r) {  // Quads' order of rows back to row order
-      _mm256_storeu_ps(y + r * ldy + 16 * t, _mm256_permute2f128_ps(acc[r].h[0], acc[r].h[1], 0x20));
-      _mm256_storeu_ps(y + r * ldy + 16 * t + 8, _mm256_permute2f128_ps(acc[r].h[0], acc[r].h[1], 0x31));
-    }
+    for (int r = 0; r < R; ++r) store_rows(y + r * ldy + 16 * t, acc[r]);
   }
 }
 

@@ -386,6 +386,11 @@ inline Lanes to_quads(const vf& v) {
   std::memcpy(n, &v, 64);
   return {{_mm256_permute2f128_ps(n[0], n[1], 0x20), _mm256_permute2f128_ps(n[0], n[1], 0x31)}};
 }
+// 16 lanes in Quads' order of rows stored at y in row order (the same exchange)
+inline void store_rows(float* y, const Lanes& v) {
+  _mm256_storeu_ps(y, _mm256_permute2f128_ps(v.h[0], v.h[1], 0x20));
+  _mm256_storeu_ps(y + 8, _mm256_permute2f128_ps(v.h[0], v.h[1], 0x31));
+}
 #endif
 
 }  // namespace kvgen
