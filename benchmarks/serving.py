@@ -531,7 +531,8 @@ def device_name(device: str) -> str:
 def spawn(args, part: str) -> dict:
     command = [sys.executable, __file__, "--worker", part, "--threads", str(args.threads), "--device", args.device]
     command += (["--quick"] if args.quick else []) + (["--model", args.model] if args.model else [])
-    command += ["--kv-dtype", args.kv_dtype] + (["--gguf"] if args.gguf else [])
+    command += ["--kv-dtype", args.kv_dtype, "--max-batch-tokens", str(args.max_batch_tokens)]
+    command += ["--concurrency", *map(str, args.concurrency)] + (["--gguf"] if args.gguf else [])
     print(f"-- {part}", flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -597,16 +598,21 @@ def main() -> None:
                              "(not the float32 folder)")
     parser.add_argument("--kv-dtype", default="float16", choices=list(KV_DTYPES),
                         help="how kvgen's engine and servers store keys and values (default: kvgen serve's)")
+    parser.add_argument("--concurrency", type=int, nargs="+", help="client counts of sweep and http "
+                        "(default 1 4 16 64; --quick: 1 4 16)")
+    parser.add_argument("--max-batch-tokens", type=int, default=64,
+                        help="kvgen's and transformers' tokens per step in sweep, latency's baseline, prefix, "
+                             "exactness and http (kvgen serve's own default: 256)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of serving.json and serving.png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.prompt, args.new = ((100, 400), (32, 64)) if args.quick else ((100, 1000), (64, 256))
-    args.concurrency = (1, 4, 16) if args.quick else (1, 4, 16, 64)
+    args.concurrency = args.concurrency or ((1, 4, 16) if args.quick else (1, 4, 16, 64))
     args.min_requests = 8 if args.quick else 16
     args.offline_new = 32 if args.quick else 128
     args.exact_requests = 16 if args.quick else 64
     args.nano_requests = 16 if args.quick else 256
-    args.kv_memory, args.max_batch_tokens = "2GiB", 64
+    args.kv_memory = "2GiB"
     args.http_systems = args.systems
     if args.worker:
         worker(args)
