@@ -1,7 +1,8 @@
 // kvgen::attention(q, k, v, mask?, scale, softcap): q (B, H, T, D), k and v (B, Hkv, S, D) (any
 // strides, the last dim contiguous, D a multiple of 16, H a multiple of Hkv: the G = H / Hkv query
 // heads of a group share one key head; k and v stored as float32, float16, bfloat16 or Q8 rows of
-// kv_rows.h, each tile of them turned into float32 in the thread's scratch where it is not float32),
+// kv_rows.h, each tile of them turned into float32 in the thread's scratch where it is not float32, but
+// for a few rows' whole float16 tiles, turned into float32 in registers as they are read),
 // mask: bool (B or 1, 1, T, S), True where allowed, or none (all allowed). softcap > 0: scores become
 // tanh(s / softcap) * softcap. The output is (B, T, H, D). A query row that allows no key gets zeros (SDPA
 // gives NaN there); callers never use such rows.
@@ -29,11 +30,16 @@
 //     by 6, 16 value columns at a time, in registers). Scores of many rows: K_tile Q^T with the
 //     rows in vector lanes (Q transposed and scaled once per item; 3 x 4 register tiles); of a few
 //     rows (decode: 2 R <= lanes): dot products along D, 4 keys at a time, lanes summed at the end.
+//     A few rows' float16 keys and values are read in place, vcvtph2ps a vector as loaded: through the
+//     thread's scratch, a 16-sequence decode step of SmolLM2 (float16 pool, 576 keys a sequence, 30
+//     layers) spent a third of its attention waiting on the conversion's loads (AMD EPYC Zen 3: 1.2-1.6x
+//     faster at 1 thread, 1.0-1.6x at 2, one process per build, alternating; benchmarks/attention_kernel.py)
 #include "attention.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "parallel.h"
 #include "simd.h"
@@ -42,6 +48,25 @@ namespace kvgen {
 namespace {
 
 inline bool has_zero_byte(uint64_t x) { return ((x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull) != 0; }
+
+// a vector of keys or values as float32, read where they are stored: float32, or float16 bits (F16C) turned into
+// float32 in the register
+template <class KV>
+inline vn load_kv(const KV* p) {
+  if constexpr (std::is_same_v<KV, float>) {
+    return vload<vn>(p);
+  } else {
+#if defined(__AVX512F__)
+    return (vn)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+    return (vn)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+    float f[LN];
+    kv_decode(KvFormat::F16, p, LN, f);
+    return vload<vn>(f);
+#endif
+  }
+}
 
 // one mask row of S bools -> bit j of any: tile j (keys 16 j .. 16 j + 15) has an allowed key;
 // of full: all 16 keys are allowed (a tile cut short by S never is). Both start zeroed.
@@ -133,17 +158,17 @@ inline void sum4(const vn* x, float* out) {
 // at a time.
 // ahead (or null): a later tile's keys (same stride), each vector of them prefetched into L2 as the
 // same vector of this tile is loaded
-template <int RR>
-__attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const float* k, int64_t ks, float* sc,
-                                               int64_t ss, const float* ahead) {
+template <int RR, class KV>
+__attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const KV* k, int64_t ks, float* sc,
+                                               int64_t ss, std::type_identity_t<const KV*> ahead) {
   for (int64_t s0 = 0; s0 < TILE; s0 += 4) {
     vn acc[RR][4] = {};
-    const float* kk = k + s0 * ks;
+    const KV* kk = k + s0 * ks;
     for (int64_t d = 0; d < D; d += LN) {
       vn x[4];
       for (int i = 0; i < 4; ++i) {
         if (ahead) __builtin_prefetch(ahead + (s0 + i) * ks + d, 0, 2);
-        x[i] = vload<vn>(kk + i * ks + d);
+        x[i] = load_kv(kk + i * ks + d);
 #if defined(__AVX__)  // (an SSE register holds half a vn)
         asm("" : "+x"(x[i]));  // held in a register: GCC would load each key vector again for every row
 #endif
@@ -168,9 +193,9 @@ __attribute__((noinline)) void tile_scores_dot(const float* q, int64_t D, const 
 // floats, value s at v + s * vs, p[s, i] at p + s * ps + i * pi), 16 columns at a time
 // (32 columns a pass where D allows on AVX-512: each broadcast weight then serves two multiply-adds).
 // ahead (or null): a later tile's values, prefetched into L2 vector by vector as tile_scores_dot does
-template <int RR, int W = DC>
+template <int RR, int W = DC, class KV>
 void tile_values_by(float* acc, int64_t D, const float* p, int64_t ps, int64_t pi, const float* alpha,
-                    const float* v, int64_t vs, const float* ahead) {
+                    const KV* v, int64_t vs, std::type_identity_t<const KV*> ahead) {
   for (int64_t d = 0; d < D; d += W * LN) {
     vn x[RR][W];
     for (int i = 0; i < RR; ++i)
@@ -180,7 +205,7 @@ void tile_values_by(float* acc, int64_t D, const float* p, int64_t ps, int64_t p
       vn y[W];
       for (int c = 0; ahead && c < W; ++c) __builtin_prefetch(ahead + s * vs + d + c * LN, 0, 2);
       for (int c = 0; c < W; ++c) {
-        y[c] = vload<vn>(v + s * vs + d + c * LN);
+        y[c] = load_kv(v + s * vs + d + c * LN);
 #if defined(__AVX512F__)
         asm("" : "+v"(y[c]));  // loaded once: GCC would fold the load into each row's multiply-add (Zen 4: load-bound)
 #endif
@@ -195,23 +220,26 @@ void tile_values_by(float* acc, int64_t D, const float* p, int64_t ps, int64_t p
   }
 }
 
-template <int RR>
+template <int RR, class KV>
 __attribute__((noinline)) void tile_values(float* acc, int64_t D, const float* p, int64_t ps, int64_t pi,
-                                           const float* alpha, const float* v, int64_t vs, const float* ahead) {
+                                           const float* alpha, const KV* v, int64_t vs,
+                                           std::type_identity_t<const KV*> ahead) {
 #if defined(__AVX512F__)
   if (D % 32 == 0) return tile_values_by<RR, 2>(acc, D, p, ps, pi, alpha, v, vs, ahead);
 #endif
-  tile_values_by<RR>(acc, D, p, ps, pi, alpha, v, vs, ahead);
+  tile_values_by<RR, DC>(acc, D, p, ps, pi, alpha, v, vs, ahead);
 }
 
 // tile_values for R consecutive query rows (6 at a time, then the rest), acc R x D, p[s, i] at p + s * ps + i * pi
+template <class KV>
 inline void values_rows(int64_t R, float* acc, int64_t D, const float* p, int64_t ps, int64_t pi, const float* alpha,
-                        const float* v, int64_t vs, const float* ahead) {
+                        const KV* v, int64_t vs, std::type_identity_t<const KV*> ahead) {
   int64_t r = 0;
   for (; r + 6 <= R; r += 6)
     tile_values<6>(acc + r * D, D, p + r * pi, ps, pi, alpha ? alpha + r : nullptr, v, vs, r ? nullptr : ahead);
   float* ar = acc + r * D;
-  const float *pr = p + r * pi, *al = alpha ? alpha + r : nullptr, *va = r ? nullptr : ahead;
+  const float *pr = p + r * pi, *al = alpha ? alpha + r : nullptr;
+  const KV* va = r ? nullptr : ahead;
   switch (R - r) {
     case 1: tile_values<1>(ar, D, pr, ps, pi, al, v, vs, va); break;
     case 2: tile_values<2>(ar, D, pr, ps, pi, al, v, vs, va); break;
@@ -250,6 +278,11 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
   const char* kb = static_cast<const char*>(a.k) + (b * a.k0 + g * a.k1) * esz;  // this key head's rows, as stored
   const char* vb_ = static_cast<const char*>(a.v) + (b * a.v0 + g * a.v1) * esz;
   const bool direct = a.kv == KvFormat::F32;  // whole tiles read in place
+#if defined(__F16C__)
+  const bool half = a.kv == KvFormat::F16;  // few rows: whole tiles read in place, turned into float32 in registers
+#else
+  const bool half = false;
+#endif
   const uint8_t* mrows = a.mask ? a.mask + (blk.mrow * a.T + blk.t0) * S : nullptr;
   auto prefetch = [&](int64_t c) {  // a tile's stored keys and values, while the one before is computed
     const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
@@ -306,17 +339,24 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
             kahead = reinterpret_cast<const float*>(kb) + sa * a.k2,
             vaheads[j] = reinterpret_cast<const float*>(vb_) + sa * a.v2;
         }
-        int64_t ks;
-        const float* kt = tile_of(kb, a.k2, s0, w.ktail, ks);
         vstarts[j] = s0;
         float* scj = sc + j * TILE;
-        int64_t r = 0;
+        auto scores = [&](const auto* kt, int64_t ks, const auto* kahead) {
+          int64_t r = 0;
 #if defined(__AVX512F__)  // 16 accumulators: each key vector loaded serves 4 rows (32 registers)
-        for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
-        if (R - r == 3) tile_scores_dot<3>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead), r += 3;
+          for (; r + 4 <= R; r += 4) tile_scores_dot<4>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
+          if (R - r == 3) tile_scores_dot<3>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead), r += 3;
 #endif
-        for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
-        if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
+          for (; r + 2 <= R; r += 2) tile_scores_dot<2>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
+          if (r < R) tile_scores_dot<1>(qt + r * D, D, kt, ks, scj + r * CT, CT, r ? nullptr : kahead);
+        };
+        if (half && s0 + TILE <= S) {
+          scores(reinterpret_cast<const uint16_t*>(kb) + s0 * a.k2, a.k2, (const uint16_t*)nullptr);
+        } else {
+          int64_t ks;
+          const float* kt = tile_of(kb, a.k2, s0, w.ktail, ks);
+          scores(kt, ks, kahead);
+        }
         if (a.cap > 0.0f)
           for (int64_t r = 0; r < R; ++r)
             for (int64_t i = r * CT; i < r * CT + TILE; i += LN)
@@ -344,6 +384,11 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
         alpha[r] = al;
       }
       for (int64_t j = 0; j < count; ++j) {  // the values so far rescaled once, with the chunk's first tile
+        if (half && vstarts[j] + TILE <= S) {
+          values_rows(R, acc, D, sc + j * TILE, 1, CT, j ? nullptr : alpha,
+                      reinterpret_cast<const uint16_t*>(vb_) + vstarts[j] * a.v2, a.v2, nullptr);
+          continue;
+        }
         int64_t vs;
         const float* vt = tile_of(vb_, a.v2, vstarts[j], w.vtail, vs);
         values_rows(R, acc, D, sc + j * TILE, 1, CT, j ? nullptr : alpha, vt, vs, vaheads[j]);
