@@ -9,6 +9,12 @@ second and its ratio to the first build; checks that every build gives the first
 
     python benchmarks/kernels_ab.py MODEL.gguf blk.0.ffn_gate.weight,blk.0.ffn_down.weight --trees HEAD~1,HEAD
     python benchmarks/kernels_ab.py MODEL.gguf token_embd.weight --trees main,src/kvgen/kernels --rows 512 --reps 2000
+
+``--attention SEQS,KEYS`` times the builds' ``attention`` instead: a decode step's 30 layers (SmolLM2's heads: 9
+query heads on 3 key heads of 64) for SEQS sequences of KEYS keys each, each sequence's keys and values one run of
+a float16 pool (``--kv-dtype``), each layer's its own (read from memory), the mask as the engine builds it.
+
+    python benchmarks/kernels_ab.py --attention 16,576 --trees HEAD~1,HEAD --reps 7
 """
 
 from __future__ import annotations
@@ -79,22 +85,61 @@ def weights(path: str, name: str, rows: int) -> tuple[list[tuple[int, torch.Tens
     return out, k
 
 
+def time_attention(ops, trees: list[str], args) -> None:
+    """Each build's attention over 30 layers of a decode step (see the module's docstring), alternating."""
+    seqs, keys = map(int, args.attention.split(","))
+    heads, kv_heads, d, layers, s = 9, 3, 64, 30, seqs * keys
+    dtype = getattr(torch, args.kv_dtype)
+    pools = [(torch.randn(1, kv_heads, s, d).to(dtype), torch.randn(1, kv_heads, s, d).to(dtype))
+             for _ in range(layers)]
+    q = torch.randn(1, heads, seqs, d)  # (1, H, T, D): one decode row per sequence
+    mask = torch.zeros(1, 1, seqs, s, dtype=torch.bool)  # (1, 1, T, S): each row its own sequence's run
+    for i in range(seqs):
+        mask[0, 0, i, i * keys:(i + 1) * keys] = True
+    first = ops[0](q, *pools[0], mask, d ** -0.5, 0.0)
+    for op, tree in zip(ops[1:], trees[1:]):
+        error = ((op(q, *pools[0], mask, d ** -0.5, 0.0) - first).abs().max() / first.abs().max()).item()
+        assert error < 1e-5, f"{tree} attends otherwise ({error:.1e} of the largest output)"
+    for threads in map(int, args.threads.split(",")):
+        torch.set_num_threads(threads)
+        times = [[] for _ in ops]
+        for _ in range(args.reps):
+            for op, spent in zip(ops, times):
+                start = time.perf_counter()
+                for k, v in pools:
+                    op(q, k, v, mask, d ** -0.5, 0.0)
+                spent.append(time.perf_counter() - start)
+        best = [min(spent) for spent in times]
+        read = layers * 2 * kv_heads * s * d * pools[0][0].element_size()
+        print(f"attention ({seqs} sequences of {keys} keys, {args.kv_dtype}, {layers} layers, {threads} threads): "
+              + "  ".join(f"{tree} {b * 1e3:.2f} ms {read / b / 1e9:.1f} GB/s ({best[0] / b:.2f}x)"
+                          for tree, b in zip(trees, best)), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("model", help="a GGUF file")
-    parser.add_argument("tensors", help="comma-separated tensor names (blk.0.*: every layer's)")
+    parser.add_argument("model", nargs="?", help="a GGUF file")
+    parser.add_argument("tensors", nargs="?", help="comma-separated tensor names (blk.0.*: every layer's)")
+    parser.add_argument("--attention", help="SEQS,KEYS: time a decode step's attention, not products")
+    parser.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--trees", required=True, help="comma-separated git revisions or kernel source folders")
     parser.add_argument("--rows", type=int, default=0, help="only the first rows of each tensor (from cache)")
     parser.add_argument("--inputs", type=int, default=1, help="input rows of each product")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
+    if not args.attention and not (args.model and args.tensors):
+        parser.error("give MODEL and TENSORS, or --attention SEQS,KEYS")
     assert kernels.kernels_available(), kernels.unavailable_reason()  # this tree's: the tiles' layout
     trees = args.trees.split(",")
     names = [f"ab{i}" for i in range(len(trees))]
     with tempfile.TemporaryDirectory() as folder:
         for tree, namespace in zip(trees, names):
             build(tree, namespace, Path(folder))
+        if args.attention:
+            time_attention([getattr(torch.ops, namespace).attention for namespace in names], trees, args)
+            print(f"lscpu: {cpu()}; load average {open('/proc/loadavg').read().split()[:3]}")
+            return
         ops = [getattr(torch.ops, namespace).qmatmul for namespace in names]
         for tensor in args.tensors.split(","):
             segments, k = weights(args.model, tensor, args.rows)

@@ -32,8 +32,8 @@
 //     rows (decode: 2 R <= lanes): dot products along D, 4 keys at a time, lanes summed at the end.
 //     A few rows' float16 keys and values are read in place, vcvtph2ps a vector as loaded: through the
 //     thread's scratch, a 16-sequence decode step of SmolLM2 (float16 pool, 576 keys a sequence, 30
-//     layers) spent a third of its attention waiting on the conversion's loads (AMD EPYC Zen 3: 1.2-1.6x
-//     faster at 1 thread, 1.0-1.6x at 2, one process per build, alternating; benchmarks/attention_kernel.py)
+//     layers) spent a third of its attention waiting on the conversion's loads (AMD EPYC Zen 3, from
+//     memory: 1.28x faster at 1 thread, 1.33x at 2; benchmarks/kernels_ab.py --attention 16,576)
 #include "attention.h"
 
 #include <algorithm>
