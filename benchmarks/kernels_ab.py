@@ -85,6 +85,17 @@ def weights(path: str, name: str, rows: int) -> tuple[list[tuple[int, torch.Tens
     return out, k
 
 
+def best_times(calls, reps: int) -> list[float]:
+    """The best time of each call over ``reps`` rounds, the calls in turn within each round."""
+    times = [[] for _ in calls]
+    for _ in range(reps):
+        for call, spent in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            spent.append(time.perf_counter() - start)
+    return [min(spent) for spent in times]
+
+
 def time_attention(ops, trees: list[str], args) -> None:
     """Each build's attention over 30 layers of a decode step (see the module's docstring), alternating."""
     seqs, keys = map(int, args.attention.split(","))
@@ -102,14 +113,8 @@ def time_attention(ops, trees: list[str], args) -> None:
         assert error < 1e-5, f"{tree} attends otherwise ({error:.1e} of the largest output)"
     for threads in map(int, args.threads.split(",")):
         torch.set_num_threads(threads)
-        times = [[] for _ in ops]
-        for _ in range(args.reps):
-            for op, spent in zip(ops, times):
-                start = time.perf_counter()
-                for k, v in pools:
-                    op(q, k, v, mask, d ** -0.5, 0.0)
-                spent.append(time.perf_counter() - start)
-        best = [min(spent) for spent in times]
+        best = best_times([lambda op=op: [op(q, k, v, mask, d ** -0.5, 0.0) for k, v in pools] for op in ops],
+                          args.reps)
         read = layers * 2 * kv_heads * s * d * pools[0][0].element_size()
         print(f"attention ({seqs} sequences of {keys} keys, {args.kv_dtype}, {layers} layers, {threads} threads): "
               + "  ".join(f"{tree} {b * 1e3:.2f} ms {read / b / 1e9:.1f} GB/s ({best[0] / b:.2f}x)"
@@ -153,14 +158,8 @@ def main() -> None:
                                       "in Quads order since 14375a2), which reads these tiles otherwise")
             for threads in map(int, args.threads.split(",")):
                 torch.set_num_threads(threads)
-                times = [[] for _ in ops]
-                for _ in range(args.reps):
-                    for op, spent in zip(ops, times):
-                        start = time.perf_counter()
-                        for format, data in segments:
-                            op(x, [data], [format])
-                        spent.append((time.perf_counter() - start) / len(segments))
-                best = [min(spent) for spent in times]
+                calls = [lambda op=op: [op(x, [data], [format]) for format, data in segments] for op in ops]
+                best = [b / len(segments) for b in best_times(calls, args.reps)]
                 weights_read = n * x.shape[1] * args.inputs
                 print(f"{tensor} ({n} x {x.shape[1]}, {len(segments)} copies, {args.inputs} input rows, {threads} "
                       "threads): " + "  ".join(f"{tree} {b * 1e3:.3f} ms {weights_read / b / 1e9:.1f} Gw/s "
