@@ -41,6 +41,8 @@ Writes ``benchmarks/results/serving.json`` and ``serving.png``.
     python benchmarks/serving.py --parts offline prefix --quick
     python benchmarks/serving.py --parts offline --gguf        # stored weights, 16-bit KV: as kvgen serve runs
     python benchmarks/serving.py --parts sweep http           # the engine in process and through HTTP
+    python benchmarks/serving.py --parts http --systems kvgen-gguf llama.cpp --concurrency 16 \
+        --max-batch-tokens 256 --out DIR      # the GGUF pair at 16 clients, kvgen serve at its default budget
     python benchmarks/serving.py --parts offline sweep latency --device cuda --model CONFIG --random-weights \\
         --out DIR                # on a GPU host that lacks the packaged model: its config and tokenizer only
 """
@@ -601,8 +603,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", help="client counts of sweep and http "
                         "(default 1 4 16 64; --quick: 1 4 16)")
     parser.add_argument("--max-batch-tokens", type=int, default=64,
-                        help="kvgen's and transformers' tokens per step in sweep, latency's baseline, prefix, "
-                             "exactness and http (kvgen serve's own default: 256)")
+                        help="kvgen's and transformers' tokens per step in sweep, prefix, exactness and http "
+                             "(latency tries 64, 48 and 32; kvgen serve's own default: 256)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of serving.json and serving.png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
