@@ -71,16 +71,16 @@ class ModelRunner:
         plan = Plan(ids, spans, keep)
         self.tell_followers(plan)  # (a split model's other ranks run it too)
         logits = self.forward(plan)  # the masks are computed meanwhile, in llguidance's thread
-        for seq, j, token in scored:  # in the prompt's order
-            value, top = logprob_of(logits[j].float(), token, seq.params.prompt_logprobs)
-            seq.prompt_logprobs.append(value)
-            seq.prompt_top_logprobs.append(top)
+        rows = logits[[j for _, j, _ in scored]].float()  # (scored, V)
+        for (seq, _, token), row, total in zip(scored, rows, normalizers(rows)):  # in the prompt's order
+            seq.prompt_logprobs.append(float(row[token]) - total)
+            seq.prompt_top_logprobs.append(top_logprobs(row, total, seq.params.prompt_logprobs))
         allowed = {}
         if masks:  # llguidance's bitmask of each constrained row
             bits = masks.wait([list(seq.params.eos_token_ids) for seq in constrained])  # (constrained, words)
             allowed = dict(zip(map(id, constrained), bits))
         raw = logits[[j for _, j in sampled]].float()  # (sampled, V)
-        totals = normalizers(raw)  # (one op for all rows: 16 of them one at a time cost ~5 ms)
+        totals = normalizers(raw)
         best = raw.argmax(dim=-1).tolist()
         chosen = [(seq, *choose(seq, raw[i], totals[i], best[i], allowed.get(id(seq))))
                   for i, (seq, _) in enumerate(sampled)]
@@ -160,17 +160,11 @@ def choose(seq: Sequence, raw: torch.Tensor, total: float, best: int,
     return token, float(raw[token]) - total, top
 
 
-def logprob_of(raw: torch.Tensor, token: int, top: int) -> tuple[float, dict[int, float]]:
-    """The log-probability of ``token`` under raw logits (V,), and the ``top`` likeliest tokens' (token -> value)."""
-    (total,) = normalizers(raw[None])
-    return float(raw[token]) - total, top_logprobs(raw, total, top)
-
-
 def normalizers(raw: torch.Tensor) -> list[float]:
-    """``log(sum(exp(row)))`` of each row of raw logits (n, V): torch's ``logsumexp`` (float32, ~1e-6 off
-    float64's over 49k-262k tokens): ``log_softmax``'s was 3e-6 to 3e-5 off, moving every logprob alike, which sums
-    of prompt logprobs (lm-eval's loglikelihood) add up (4e-4 over a 33-token continuation of SmolLM2). Float64
-    would take 2.8 ms over Gemma 3's 262k, 7x longer."""
+    """``log(sum(exp(row)))`` of each row of raw logits (n, V), in one op (16 rows one at a time cost ~5 ms of a
+    100 ms step): torch's ``logsumexp`` (float32, ~1e-6 off float64's over 49k-262k tokens): ``log_softmax``'s was
+    3e-6 to 3e-5 off, moving every logprob alike, which sums of prompt logprobs (lm-eval's loglikelihood) add up
+    (4e-4 over a 33-token continuation of SmolLM2). Float64 would take 2.8 ms over Gemma 3's 262k, 7x longer."""
     return torch.logsumexp(raw, dim=-1).tolist()
 
 
