@@ -49,8 +49,8 @@ namespace {
 
 inline bool has_zero_byte(uint64_t x) { return ((x - 0x0101010101010101ull) & ~x & 0x8080808080808080ull) != 0; }
 
-// a vector of keys or values as float32, read where they are stored: float32, or float16 bits (F16C) turned into
-// float32 in the register
+// a vector of keys or values as float32, read where they are stored: float32, or float16 bits turned into float32
+// in the register (F16C; kv_decode's conversion without it)
 template <class KV>
 inline vn load_kv(const KV* p) {
   if constexpr (std::is_same_v<KV, float>) {
@@ -278,11 +278,7 @@ void attend_tiles(const AttentionArgs& a, int64_t b, int64_t g, const RowBlock& 
   const char* kb = static_cast<const char*>(a.k) + (b * a.k0 + g * a.k1) * esz;  // this key head's rows, as stored
   const char* vb_ = static_cast<const char*>(a.v) + (b * a.v0 + g * a.v1) * esz;
   const bool direct = a.kv == KvFormat::F32;  // whole tiles read in place
-#if defined(__F16C__)
-  const bool half = a.kv == KvFormat::F16;  // few rows: whole tiles read in place, turned into float32 in registers
-#else
-  const bool half = false;
-#endif
+  const bool half = a.kv == KvFormat::F16;  // few rows: whole tiles read in place, turned into float32 by load_kv
   const uint8_t* mrows = a.mask ? a.mask + (blk.mrow * a.T + blk.t0) * S : nullptr;
   auto prefetch = [&](int64_t c) {  // a tile's stored keys and values, while the one before is computed
     const int64_t s0 = (int64_t)(blk.tiles[c] >> 1) * TILE;
