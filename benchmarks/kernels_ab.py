@@ -82,6 +82,9 @@ def weights(path: str, name: str, rows: int) -> tuple[list[tuple[int, torch.Tens
         k, n = int(t.shape[0]), int(t.shape[1])
         raw = torch.from_numpy(np.array(t.data)).reshape(n, -1)[:rows or n].clone()
         out.append(tile_rows(PackedWeight([(int(t.tensor_type), raw)], k)).segments[0])
+    if not out:
+        raise SystemExit(f"{path} has no tensor {name!r} (every layer's copies: name layer 0's, e.g. "
+                         "'blk.0.ffn_gate.weight'; others by their whole name, e.g. 'output.weight')")
     return out, k
 
 
