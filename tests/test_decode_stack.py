@@ -108,6 +108,42 @@ def test_the_stack_gives_the_per_layer_bits(model, cache_kind, monkeypatch):
         assert min(keys.shape[2] for keys, _ in caches[0]) < 9 + 12  # a sliding layer dropped what it may
 
 
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16", "int8"])
+def test_a_paged_pool_step_gives_the_per_layer_bits(model, kv_dtype, monkeypatch):
+    """The serving engine's decode steps over its paged pool (two sequences' rows side by side, their blocks of 4
+    interleaved, their new keys and values stored in the pool's precision where the runner placed them; past the
+    sliding window): the per-layer path's tokens, logprobs and pool contents, bit for bit."""
+    from kvgen.serving import ContinuousBatchingConfig
+
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (9, 5)]
+
+    def serve(fused: bool):
+        runs, run = [], model.decode_stack.run
+
+        def counted(*args):
+            runs.append(run(*args) if fused else None)
+            return runs[-1]
+
+        config = ContinuousBatchingConfig(block_size=4, num_blocks=32, kv_dtype=kv_dtype, pack_weights=False)
+        with monkeypatch.context() as m:
+            m.setattr(model.decode_stack, "run", counted)
+            manager = model.init_continuous_batching(continuous_batching_config=config)
+            ids = [manager.add_request(p, max_new_tokens=12, eos_token_id=[], top_logprobs=1) for p in prompts]
+            with manager:
+                outputs = [manager.get_result(i, timeout=120) for i in ids]
+        pools = [t.clone() for layer in manager.cache.layers for t in (layer.pool_keys, layer.pool_values)]
+        return outputs, pools, sum(r is not None for r in runs)
+
+    (fused, fused_pools, runs), (plain, plain_pools, _) = serve(True), serve(False)
+    assert runs >= 10  # the decode steps of two rows (not the prefill)
+    for a, b in zip(fused, plain):
+        assert a.generated_tokens == b.generated_tokens and len(a.generated_tokens) == 12
+        assert a.logprobs == b.logprobs
+    for a, b in zip(fused_pools, plain_pools):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_stack_gives_the_same_bits_with_any_thread_count(model, threads, monkeypatch):
     """The stack's layers run in one parallel region whose threads split each product's rows and take attention
@@ -343,7 +379,8 @@ def test_reserve_returns_what_update_returns_once_written():
         for layer in (updated, reserved):
             layer.update(k, v, torch.arange(5))
         expected = updated.update(new_k, new_v, torch.tensor([5]))
-        keys, values, start, end = reserved.reserve(new_k, new_v)
+        keys, values, start, end, slots = reserved.reserve(new_k, new_v, 5)
+        assert slots is None  # (the last T of start .. end - 1)
         keys, values = keys[:, :, start:end], values[:, :, start:end]
         keys[:, :, -1:] = new_k
         values[:, :, -1:] = new_v
@@ -356,17 +393,18 @@ def test_a_cache_reserves_for_all_layers_or_none():
     cache = Cache(layers=[DynamicLayer(), kvgen.SlidingWindowLayer(sliding_window=4, max_cache_len=8)])
     cache.update(k, k, 0, {"cache_position": torch.arange(3)})
     assert not cache.reserves()
-    assert cache.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2) is None  # a ring layer stores only through update
+    assert cache.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2, 3) is None  # a ring layer stores only through update
     assert cache.layers[0].get_seq_length() == 3  # and nothing was reserved
     static = Cache(layers=[StaticLayer(max_cache_len=4), StaticLayer(max_cache_len=8)])
     for i in range(2):
         static.update(k, k, i, {"cache_position": torch.arange(3)})
-    assert static.reserves() and static.reserve([k] * 2, [k] * 2) is None  # 6 slots do not fit the first layer
+    assert static.reserves() and static.reserve([k] * 2, [k] * 2, 3) is None  # 6 slots do not fit the first layer
     assert [layer.get_seq_length() for layer in static.layers] == [3, 3]  # the second's reservation undone
-    assert static.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2) is not None and static.get_seq_length() == 4
+    assert static.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2, 2) is None  # not where the new tokens go
+    assert static.reserve([k[:, :, :1]] * 2, [k[:, :, :1]] * 2, 3) is not None and static.get_seq_length() == 4
     both = kvgen.DynamicCache()
-    reserved = both.reserve([k] * 2, [k] * 2)
-    assert [(keys.shape[:2], keys.shape[3], end - start) for keys, _, start, end in reserved] == [((1, 2), 8, 3)] * 2
+    reserved = both.reserve([k] * 2, [k] * 2, 0)
+    assert [(keys.shape[:2], keys.shape[3], end - start) for keys, _, start, end, _ in reserved] == [((1, 2), 8, 3)] * 2
     assert both.get_seq_length() == 3
 
 
@@ -403,7 +441,7 @@ def test_a_replaced_plan_forgets_its_registered_weights(model, monkeypatch):
     assert model.decode_stack._plan.weights.id != old
     gc.collect()
     with pytest.raises(RuntimeError, match=f"no registered stack {old}"):
-        torch.ops.kvgen.decoder_layers(torch.zeros(1, 1, 128), [], [], [], [], [], [], [], [], old)
+        torch.ops.kvgen.decoder_layers(torch.zeros(1, 1, 128), [], [], [], [], [], [], [], [], [], old)
 
 
 def test_a_deep_copy_steps_with_its_own_weights(model, monkeypatch):

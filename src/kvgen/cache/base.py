@@ -10,7 +10,7 @@ classes only choose which layers to build. Models talk to the container alone:
   returned slots hold (``-1`` for an empty slot), so ``kvgen.masks`` can build the
   attention mask without knowing the cache type.
 
-Where every layer can (``CacheLayer.reserve``), ``cache.reserve(keys, values)`` makes room
+Where every layer can (``CacheLayer.reserve``), ``cache.reserve(keys, values, first)`` makes room
 for a step's new keys/values in all layers at once and returns the buffers to write them
 into, so that a fused decode step (:mod:`kvgen.models.decode_stack`) runs every layer in C++.
 """
@@ -78,15 +78,16 @@ class CacheLayer:
         """Store ``key``/``value`` (B, H, T, D) at ``cache_position`` (T,); return what to attend to."""
         raise NotImplementedError
 
-    def reserve(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
-        """Room made for the new keys/values without writing them: ``(keys, values, start, end)``, buffers
-        (B, H, slots, D) whose slots ``start .. end - 1`` are what ``update(key, value, ...)`` would return, the
-        caller writing the new T tokens into the last T of them (the fused decode step,
-        :mod:`kvgen.models.decode_stack`, which takes the slot range rather than a view: two ``narrow`` calls a
-        layer were a twentieth of a SmolLM2 step). Only the shapes and dtypes of ``key``/``value`` (B, H, T, D)
-        are read. ``None`` (the default), changing nothing: the layer stores only through ``update`` (it
-        quantizes, re-rotates or moves what it stores). A subclass that changes what ``update`` stores changes
-        ``reserve`` alike."""
+    def reserve(self, key: torch.Tensor, value: torch.Tensor, first: int) -> tuple | None:
+        """Room made for the new keys/values from position ``first`` on (``cache_position[0]``) without writing
+        them: ``(keys, values, start, end, slots)``, buffers (B, H, slots, stored width) whose slots ``start .. end -
+        1`` are what ``update(key, value, cache_position)`` would return, the caller storing the new T tokens (in the buffers'
+        precision, :mod:`kvgen.cache.precision`) into the last T of them, or where ``slots`` (T,) says (a paged
+        pool's) when it is not ``None`` (the fused decode step, :mod:`kvgen.models.decode_stack`, which takes the
+        slot range rather than a view: two ``narrow`` calls a layer were a twentieth of a SmolLM2 step). Only the
+        shapes and dtypes of ``key``/``value`` (B, H, T, D) are read. ``None`` (the default), changing nothing: the
+        layer stores only through ``update`` (it quantizes, re-rotates or moves what it stores). A subclass that
+        changes what ``update`` stores changes ``reserve`` alike."""
         return None
 
     def key_positions(self, cache_position: torch.Tensor) -> torch.Tensor:
@@ -257,16 +258,16 @@ class Cache:
         """Whether every layer this cache holds can :meth:`reserve` (a static cache's from the start)."""
         return bool(self.layers) and all(type(layer).reserve is not CacheLayer.reserve for layer in self.layers)
 
-    def reserve(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[tuple] | None:
+    def reserve(self, keys: list[torch.Tensor], values: list[torch.Tensor], first: int) -> list[tuple] | None:
         """:meth:`CacheLayer.reserve` of layers 0 .. len(keys) - 1 for the new ``keys[i]``/``values[i]``
-        (B, Hkv, T, D): per layer, ``(keys, values, start, end)``, the buffers to write the new tokens into (the
-        last T of slots ``start .. end - 1``) and then attend to; ``None``, changing nothing, unless every layer
-        can reserve."""
+        (B, Hkv, T, D) from position ``first`` on: per layer, ``(keys, values, start, end, slots)``, the buffers to store
+        the new tokens into (the last T of slots ``start .. end - 1``, or ``slots``) and then attend to; ``None``,
+        changing nothing, unless every layer can reserve."""
         n = len(keys)
         layers = self.layers[:n] if len(self.layers) >= n else [self.layer(i) for i in range(n)]
         if any(kind.reserve is CacheLayer.reserve for kind in set(map(type, layers))):
             return None
-        reserved = [layer.reserve(k, v) for layer, k, v in zip(layers, keys, values)]
+        reserved = [layer.reserve(k, v, first) for layer, k, v in zip(layers, keys, values)]
         if any(r is None for r in reserved):  # a layer declined (a static layer without room): the others undone
             for layer, k, r in zip(layers, keys, reserved):
                 if r is not None:

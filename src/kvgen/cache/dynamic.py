@@ -89,9 +89,11 @@ class DynamicLayer(CacheLayer):
         self._append(key, value)
         return self._live()
 
-    def reserve(self, key, value):
+    def reserve(self, key, value, first):
+        if first != self._seen:  # (the new tokens go after the seen ones)
+            return None
         self._claim(key, value)
-        return self._k, self._v, self._start, self._end
+        return self._k, self._v, self._start, self._end, None
 
     def key_positions(self, cache_position):
         span = self.key_range(cache_position)
@@ -178,9 +180,9 @@ class DynamicSlidingWindowLayer(DynamicLayer):
         self._drop_unseen()
         return super().update(key, value, cache_position)
 
-    def reserve(self, key, value):
+    def reserve(self, key, value, first):
         self._drop_unseen()
-        return super().reserve(key, value)
+        return super().reserve(key, value, first)
 
     def key_range(self, cache_position):
         live = min(self._end - self._start, self.sliding_window - 1)

@@ -92,6 +92,14 @@ class PagedLayer(CacheLayer):
         used = positions.shape[1]
         return self.pool_keys[:, :, :used], self.pool_values[:, :, :used]
 
+    def reserve(self, key, value, first):
+        """The pool's slots in use, the new tokens' among them where the step placed them (``begin_step``)."""
+        step = self.owner.steps.get(self.kind)
+        if step is None or key.device != self.pool_keys.device or torch.compiler.is_compiling():
+            return None  # (update() says what is missing)
+        slots, positions = step
+        return self.pool_keys, self.pool_values, 0, positions.shape[1], slots
+
     def key_positions(self, cache_position):
         return self.owner.steps[self.kind][1]  # (T, used): per query row, as masks.attention_mask takes it
 

@@ -89,17 +89,18 @@ class StaticLayer(CacheLayer):
         torch.maximum(self._seen, cache_position[-1:] + 1, out=self._seen)
         return self._k[:, :, :end], self._v[:, :, :end]
 
-    def reserve(self, key, value):
-        """Slots ``0 .. seen + T``, the new tokens' after the filled ones (the fused decode step, which reserves only
-        where the step's cache_position starts there: :meth:`~kvgen.models.decode_stack.DecodeStack.run`). None
-        (nothing changed) where ``update`` would allocate, refuse or convert: the caller then calls it."""
+    def reserve(self, key, value, first):
+        """Slots ``0 .. seen + T``, the new tokens' after the filled ones, where they start there (``first``).
+        None (nothing changed) where it does not, or where ``update`` would allocate, refuse or convert: the caller
+        then calls it."""
         end = self.get_seq_length() + key.shape[2]
         if (self._k is None or end > self.max_cache_len or torch.compiler.is_compiling()
+                or first != self.get_seq_length()
                 or key.shape[:2] + key.shape[3:] != self._k.shape[:2] + self._k.shape[3:]
                 or value.shape[3] != self._v.shape[3] or key.dtype != self._k.dtype or key.device != self._k.device):
             return None
         self._seen.fill_(end)
-        return self._k, self._v, 0, end
+        return self._k, self._v, 0, end, None
 
     def _filled_end(self, cache_position) -> int:
         """Slots to attend to: all of them under torch.compile (static shapes); else up to the last filled one."""

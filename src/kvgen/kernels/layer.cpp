@@ -195,12 +195,31 @@ void decoder_mlp(const MlpWeights& w, const float* x, const float* attn, int64_t
            [&](const Product& p, const float* in, int64_t ldx, float* y) { product_into(p, in, ldx, R, y); }, [] {});
 }
 
-// rows shared by the threads: q/k/v (width), q and attention (H D), o and down (hidden), gate/up (2 I);
-// each thread's own: x, normed and h (hidden), act(g) * u (I)
+// rows shared by the threads: q/k/v (width), q and attention (H D), o and down (hidden), gate/up (2 I), the new
+// keys and values before they are stored (2 Hkv D); each thread's own: x, normed and h (hidden), act(g) * u (I)
 int64_t decoder_layers_scratch(const Stack& w, int64_t R, int64_t threads) {
   const int64_t width = (w.H + 2 * w.Hkv) * w.D;
-  return R * (width + 2 * w.H * w.D + 2 * w.hidden + 2 * w.I) + threads * R * (3 * w.hidden + w.I);
+  return R * (width + 2 * w.H * w.D + 2 * w.hidden + 2 * w.I + 2 * w.Hkv * w.D) + threads * R * (3 * w.hidden + w.I);
 }
+
+namespace {
+
+// The new keys (or values) of heads g0 .. g1 - 1, rotated into fresh (B, Hkv, T, D), stored in their slots of a
+// layer's buffer (base: slot 0 of batch row 0, head 0; strides s0, s1, s2 in stored elements): slots[t], or the
+// last T of start .. end - 1. kv_encode, as kvgen::kv_store_ (the per-layer path's cache update): the same bits.
+void store_new(const LayerSlots& c, void* base, int64_t s0, int64_t s1, int64_t s2, const float* fresh, int64_t B,
+               int64_t Hkv, int64_t T, int64_t D, int64_t g0, int64_t g1) {
+  const int64_t esz = kv_element_bytes(c.kv);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t slot = c.slots ? c.slots[t] : c.end - T + t;
+        kv_encode(c.kv, fresh + ((b * Hkv + g) * T + t) * D, D,
+                  static_cast<char*>(base) + (b * s0 + g * s1 + slot * s2) * esz);
+      }
+}
+
+}  // namespace
 
 // The same functions as decoder_mlp and the ops of the modules, in the same order, so the paths give the same bits;
 // here on raw rows in one scratch allocation, with one attention plan for the layers that attend over as many slots
@@ -232,7 +251,7 @@ void decoder_layers(const Stack& w, const float* x0, int64_t B, int64_t T, const
   const int64_t width = (H + 2 * Hkv) * D, I = w.I, own = R * (3 * hidden + I);
   float* const qkv = scratch;
   float *const q = qkv + R * width, *const attn = q + R * H * D, *const o = attn + R * H * D;
-  float *const down = o + R * hidden, *const gu = down + R * hidden;
+  float *const down = o + R * hidden, *const gu = down + R * hidden, *const fresh = gu + R * 2 * I;
   SpinBarrier barrier;
   // each product's next unclaimed row (4 products a layer), for its threads to take pieces of in turn
   std::vector<std::atomic<int64_t>> claimed(4 * L);
@@ -246,7 +265,7 @@ void decoder_layers(const Stack& w, const float* x0, int64_t B, int64_t T, const
   {
     const int64_t t = omp_get_thread_num(), n = std::min<int64_t>(omp_get_num_threads(), threads);
     if (t < n) {
-      float* const x = gu + R * 2 * I + t * own;
+      float* const x = fresh + 2 * R * Hkv * D + t * own;
       float *const xn = x + R * hidden, *const h = xn + R * hidden, *const m = h + R * hidden;
       std::memcpy(x, x0, R * hidden * sizeof(float));
       Scratch scratch_rows(RMAX, D);
@@ -264,19 +283,36 @@ void decoder_layers(const Stack& w, const float* x0, int64_t B, int64_t T, const
       for (size_t i = 0; i < L; ++i) {
         const StackLayer& l = w.layers[i];
         const LayerSlots& c = layers[i];
-        const int64_t S = c.end - c.start;
-        float *kp = c.keys + c.start * c.k2, *vp = c.values + c.start * c.v2;
+        const int64_t S = c.end - c.start, esz = kv_element_bytes(c.kv);
+        const char *kp = static_cast<const char*>(c.keys) + c.start * c.k2 * esz,
+                   *vp = static_cast<const char*>(c.values) + c.start * c.v2 * esz;
         rms_rows(x, l.input_norm, R, hidden, w.eps, w.offset, xn);
         product(l.qkv, xn, hidden, qkv);
         if (t == 0)  // (the last layer's run ended before its o product)
           run.start(*plan_of[i], AttentionArgs{q, kp, vp, H * T * D, T * D, D, c.k0, c.k1, c.k2, c.v0, c.v1, c.v2,
-                                               c.mask, T, S, H, H / Hkv, D, (float)l.scale, (float)l.softcap, attn});
+                                               c.mask, T, S, H, H / Hkv, D, (float)l.scale, (float)l.softcap, attn,
+                                               c.kv});
         barrier.wait(n);
-        const int64_t heads = H + 2 * Hkv, per = (heads + n - 1) / n;
-        rotate_heads(qkv, l.qkv_bias, B, T, H, Hkv, D, cos[c.table], sin[c.table], l.q_norm, l.k_norm, w.head_eps,
-                     w.offset, {q, H * T * D, T * D, D}, {kp + (S - T) * c.k2, c.k0, c.k1, c.k2},
-                     {vp + (S - T) * c.v2, c.v0, c.v1, c.v2}, std::min(heads, t * per),
-                     std::min(heads, (t + 1) * per));
+        const int64_t heads = H + 2 * Hkv, per = (heads + n - 1) / n, h0 = std::min(heads, t * per),
+                      h1 = std::min(heads, (t + 1) * per);
+        if (c.kv == KvFormat::F32 && !c.slots) {  // float32 slots in a row: rotated straight into them
+          float *kn = static_cast<float*>(c.keys) + (c.end - T) * c.k2,
+                *vn = static_cast<float*>(c.values) + (c.end - T) * c.v2;
+          rotate_heads(qkv, l.qkv_bias, B, T, H, Hkv, D, cos[c.table], sin[c.table], l.q_norm, l.k_norm, w.head_eps,
+                       w.offset, {q, H * T * D, T * D, D}, {kn, c.k0, c.k1, c.k2}, {vn, c.v0, c.v1, c.v2}, h0, h1);
+        } else {  // into fresh, then this thread's key and value heads stored
+          float* const fv = fresh + R * Hkv * D;
+          rotate_heads(qkv, l.qkv_bias, B, T, H, Hkv, D, cos[c.table], sin[c.table], l.q_norm, l.k_norm, w.head_eps,
+                       w.offset, {q, H * T * D, T * D, D}, {fresh, Hkv * T * D, T * D, D}, {fv, Hkv * T * D, T * D, D},
+                       h0, h1);
+          auto heads_of = [&](int64_t first) {  // this thread's heads among first .. first + Hkv - 1, from 0
+            return std::make_pair(std::clamp(h0 - first, (int64_t)0, Hkv), std::clamp(h1 - first, (int64_t)0, Hkv));
+          };
+          const auto [k0, k1] = heads_of(H);
+          const auto [v0, v1] = heads_of(H + Hkv);
+          store_new(c, c.keys, c.k0, c.k1, c.k2, fresh, B, Hkv, T, D, k0, k1);
+          store_new(c, c.values, c.v0, c.v1, c.v2, fv, B, Hkv, T, D, v0, v1);
+        }
         barrier.wait(n);
         run.work(scratch_rows);
         barrier.wait(n);

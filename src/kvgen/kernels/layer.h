@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "dot.h"
+#include "kv_rows.h"
 
 namespace kvgen {
 
@@ -69,22 +70,25 @@ struct Stack {
   double eps, head_eps, offset;
 };
 
-// A layer's cache in one step: slots start .. end - 1 of keys / values (B, Hkv, slots, D, strides k0, k1, k2 and
-// v0, v1, v2), the last T of them the step's new tokens; mask: bool (mask_rows = B or 1, T, end - start), or null
-// (every slot allowed); table: the rotary table the layer takes
+// A layer's cache in one step: slots start .. end - 1 of keys / values (B, Hkv, slots, W, stored as kv says:
+// kv_rows.h; strides k0, k1, k2 and v0, v1, v2 in stored elements); the step's new tokens go into the last T of them,
+// or, where slots is set (B = 1), into slots[0 .. T - 1] (a paged pool's, placed by the caller); mask: bool
+// (mask_rows = B or 1, T, end - start), or null (every slot allowed); table: the rotary table the layer takes
 struct LayerSlots {
-  float *keys, *values;
+  void *keys, *values;
   int64_t k0, k1, k2, v0, v1, v2, start, end;
   const uint8_t* mask;
   int64_t mask_rows, table;
+  KvFormat kv;
+  const int64_t* slots;
 };
 
 // the floats of scratch decoder_layers takes for R = B * T rows on `threads` threads
 int64_t decoder_layers_scratch(const Stack& w, int64_t R, int64_t threads);
 
 // A whole decode step's layers as one call, on `threads` threads: for each layer, rms_norm -> the fused q/k/v
-// product (+ its bias) -> head norms and rotary (cos[table], sin[table]: (B, T, D)), its new keys and values written
-// into the last T of its slots, attention over the slots, then decoder_mlp's work. x and out (B, T, hidden).
+// product (+ its bias) -> head norms and rotary (cos[table], sin[table]: (B, T, D)), its new keys and values stored
+// in its slots (LayerSlots), attention over the slots, then decoder_mlp's work. x and out (B, T, hidden).
 void decoder_layers(const Stack& w, const float* x, int64_t B, int64_t T, const std::vector<const float*>& cos,
                     const std::vector<const float*>& sin, const std::vector<LayerSlots>& layers, int64_t threads,
                     float* scratch, float* out);

@@ -396,9 +396,10 @@ void decoder_stack_free_op(int64_t id) {
 
 // A whole decode step's layers as one op, so that the step pays one op call instead of a few Python
 // calls per layer: for each layer i of registered stack `stack`, what decoder_attention_inputs_op
-// computes (rotary tables cos[tables[i]], sin[tables[i]]), its new keys and values written into the
-// last T of slots starts[i] .. ends[i] - 1 of keys[i] / values[i] (B, Hkv, slots, D: the cache's
-// buffers, room already made for them); attention of the queries over those slots with masks[i] (B
+// computes (rotary tables cos[tables[i]], sin[tables[i]]), its new keys and values stored (as the
+// buffers' dtype says: kv_format) in the last T of slots starts[i] .. ends[i] - 1 of keys[i] / values[i]
+// (B, Hkv, slots, W: the cache's buffers, room already made for them), or where new_slots[i] (T,) says
+// (B = 1: a paged pool's slots); attention of the queries over those slots with masks[i] (B
 // or 1, 1, T, ends[i] - starts[i]); what decoder_mlp computes. The same functions as those ops, in
 // the same order, so the two paths give the same bits; here on raw rows in one scratch allocation,
 // with every check made before the first layer, and one attention plan for the layers that attend
@@ -407,7 +408,8 @@ void decoder_stack_free_op(int64_t id) {
 // tensor's data has moved since kvgen::decoder_stack (the caller registers the weights anew).
 at::Tensor decoder_layers_op(const at::Tensor& x0, at::TensorList cos, at::TensorList sin, at::IntArrayRef tables,
                              at::TensorList keys, at::TensorList values, at::IntArrayRef starts, at::IntArrayRef ends,
-                             const c10::List<c10::optional<at::Tensor>>& masks, int64_t stack) {
+                             const c10::List<c10::optional<at::Tensor>>& masks,
+                             const c10::List<c10::optional<at::Tensor>>& new_slots, int64_t stack) {
   std::shared_ptr<const Registered> found;
   {
     std::lock_guard<std::mutex> lock(g_stacks_mutex);
@@ -420,7 +422,8 @@ at::Tensor decoder_layers_op(const at::Tensor& x0, at::TensorList cos, at::Tenso
   const Stack& w = found->stack;
   const size_t L = w.layers.size();
   const int64_t H = w.H, Hkv = w.Hkv, D = w.D, hidden = w.hidden;
-  for (size_t n : {tables.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size()})
+  for (size_t n : {tables.size(), keys.size(), values.size(), starts.size(), ends.size(), masks.size(),
+                   new_slots.size()})
     TORCH_CHECK(n == L, "kvgen: decoder_layers takes one entry per layer in every per-layer list (", L, " layers)");
   TORCH_CHECK(x0.dim() == 3 && x0.scalar_type() == at::kFloat && x0.size(2) == hidden,
               "kvgen: decoder_layers takes x (B, T, hidden = ", hidden, ") float32");
@@ -434,17 +437,30 @@ at::Tensor decoder_layers_op(const at::Tensor& x0, at::TensorList cos, at::Tenso
     cs.push_back(cos[j].contiguous());
     ss.push_back(sin[j].contiguous());
   }
-  std::vector<at::Tensor> ms(L);
+  std::vector<at::Tensor> ms(L), placed(L);
   std::vector<const uint8_t*> mps(L);  // each layer's mask (B or 1, T, slots), or null: every slot allowed
   for (size_t i = 0; i < L; ++i) {
     TORCH_CHECK(0 <= tables[i] && tables[i] < (int64_t)cos.size(), "kvgen: decoder_layers' layer ", i,
                 " takes rotary table ", tables[i], " of ", cos.size());
-    for (const at::Tensor* kv : {&keys[i], &values[i]})
-      TORCH_CHECK(kv->dim() == 4 && kv->scalar_type() == at::kFloat && kv->size(0) == B && kv->size(1) == Hkv &&
-                  kv->size(3) == D && kv->stride(3) == 1 && 0 <= starts[i] && starts[i] + T <= ends[i] &&
-                  ends[i] <= kv->size(2), "kvgen: decoder_layers' keys and values of layer ", i, " must be float32 ",
-                  "(B, Hkv, slots, D) buffers with contiguous heads holding slots ", starts[i], " .. ", ends[i],
-                  " - 1, at least T = ", T, " of them");
+    const KvFormat kv = kv_format(keys[i].scalar_type());
+    const int64_t width = kv_row_width(kv, D);
+    for (const at::Tensor* buffer : {&keys[i], &values[i]})
+      TORCH_CHECK(buffer->dim() == 4 && buffer->scalar_type() == keys[i].scalar_type() && buffer->size(0) == B &&
+                  buffer->size(1) == Hkv && buffer->size(3) == width && buffer->stride(3) == 1 && 0 <= starts[i] &&
+                  starts[i] + T <= ends[i] && ends[i] <= buffer->size(2), "kvgen: decoder_layers' keys and values of ",
+                  "layer ", i, " must be (B, Hkv, slots, ", width, ") buffers of one dtype with contiguous heads ",
+                  "holding slots ", starts[i], " .. ", ends[i], " - 1, at least T = ", T, " of them");
+    const c10::optional<at::Tensor> slots = new_slots.get(i);
+    if (slots.has_value() && slots->defined()) {
+      placed[i] = slots->contiguous();
+      TORCH_CHECK(B == 1 && placed[i].scalar_type() == at::kLong && placed[i].dim() == 1 && placed[i].size(0) == T,
+                  "kvgen: decoder_layers' new slots of layer ", i, " are one int64 slot per new token (", T,
+                  "), of a batch of one row");
+      const int64_t* slot = placed[i].data_ptr<int64_t>();
+      for (int64_t t = 0; t < T; ++t)
+        TORCH_CHECK(starts[i] <= slot[t] && slot[t] < ends[i], "kvgen: decoder_layers: layer ", i, "'s new slot ",
+                    slot[t], " is outside the slots it attends to, ", starts[i], " .. ", ends[i], " - 1");
+    }
     const c10::optional<at::Tensor> mask = masks.get(i);
     if (mask.has_value() && mask->defined()) {
       ms[i] = mask->contiguous();
@@ -463,8 +479,9 @@ at::Tensor decoder_layers_op(const at::Tensor& x0, at::TensorList cos, at::Tenso
   std::vector<LayerSlots> slots;
   for (size_t i = 0; i < L; ++i) {
     const at::Tensor &k = keys[i], &v = values[i];
-    slots.push_back({k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-                     v.stride(1), v.stride(2), starts[i], ends[i], mps[i], mps[i] ? ms[i].size(0) : 1, tables[i]});
+    slots.push_back({k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+                     v.stride(2), starts[i], ends[i], mps[i], mps[i] ? ms[i].size(0) : 1, tables[i],
+                     kv_format(k.scalar_type()), placed[i].defined() ? placed[i].data_ptr<int64_t>() : nullptr});
   }
   const int64_t threads = at::get_num_threads();
   at::Tensor scratch = at::empty({decoder_layers_scratch(w, R, threads)}, x0.options()),
@@ -522,7 +539,7 @@ TORCH_LIBRARY(kvgen, m) {
         kvgen::decoder_stack_op);
   m.def("decoder_stack_free(int stack) -> ()", kvgen::decoder_stack_free_op);
   m.def("decoder_layers(Tensor x, Tensor[] cos, Tensor[] sin, int[] tables, Tensor[] keys, Tensor[] values, "
-        "int[] starts, int[] ends, Tensor?[] masks, int stack) -> Tensor");
+        "int[] starts, int[] ends, Tensor?[] masks, Tensor?[] new_slots, int stack) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvgen, CPU, m) {

@@ -249,19 +249,24 @@ class DecodeStack:
         if layer_masks is None:
             return None
         new = x.new_empty(()).expand(b, plan.kv_heads, t, plan.head_dim)  # the shape of each layer's new keys
-        length = cache.get_seq_length()
-        if int(masks.cache_position.reshape(-1)[0]) != length:  # reserved slots follow the filled ones (a static
-            return None  # cache may be written anywhere; a dynamic one is checked to be written there)
+        length, reserved = cache.get_seq_length(), None
         try:
-            reserved = cache.reserve([new] * count, [new] * count)
+            reserved = cache.reserve([new] * count, [new] * count, int(masks.cache_position.reshape(-1)[0]))
             if reserved is None:
                 return None
-            keys, values, starts, ends = zip(*reserved)
+            keys, values, starts, ends, slots = zip(*reserved)
             out = torch.ops.kvgen.decoder_layers(x, [c for c, _ in tables], [s for _, s in tables], table_of, keys,
-                                                 values, starts, ends, layer_masks, plan.weights.id)
+                                                 values, starts, ends, layer_masks, slots, plan.weights.id)
         except BaseException:
-            cache.crop(length)  # slots reserved but not all written (a layer refusing them, a failing op)
+            _give_back(cache, reserved, length)  # reserved, not all written (a layer refusing, a failing op)
             raise
         if out.numel() == 0:
-            cache.crop(length)
+            _give_back(cache, reserved, length)
         return out
+
+
+def _give_back(cache, reserved: list[tuple] | None, length: int) -> None:
+    """Undo ``cache.reserve``: the cache cropped back to ``length``, unless its layers store where the step placed
+    the new tokens (a paged pool: nothing reserved to undo)."""
+    if reserved is None or any(slots is None for *_, slots in reserved):
+        cache.crop(length)
