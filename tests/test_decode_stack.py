@@ -83,8 +83,9 @@ def decode(model, ids, padding, cache, steps, fused: bool, monkeypatch):
 
 @pytest.mark.parametrize("cache_kind", ["dynamic", "dynamic_windowed", "padded", "static"])
 def test_the_stack_gives_the_per_layer_bits(model, cache_kind, monkeypatch):
-    """Logits and stored keys/values equal to the per-layer path, past the sliding window (prompt 9, 12 steps)."""
-    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    """Logits and stored keys/values equal to the per-layer path, past the sliding window (prompt 17, 12 steps; the
+    padded prefill of 2 x 17 rows, more than STACK_ROWS, layer by layer in both)."""
+    ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(1))
     padding = torch.ones_like(ids)
     if cache_kind == "padded":
         padding[1, :4] = 0
@@ -93,19 +94,19 @@ def test_the_stack_gives_the_per_layer_bits(model, cache_kind, monkeypatch):
 
     def new_cache():
         if cache_kind == "static":
-            return kvgen.StaticCache(config=model.config, max_cache_len=24)
+            return kvgen.StaticCache(config=model.config, max_cache_len=32)
         return kvgen.DynamicCache(config=model.config) if cache_kind == "dynamic_windowed" else kvgen.DynamicCache()
 
     caches = new_cache(), new_cache()
     fused, runs = decode(model, ids, padding, caches[0], 12, True, monkeypatch)
     plain, _ = decode(model, ids, padding, caches[1], 12, False, monkeypatch)
-    assert runs == 12  # every decode step fused (not the 9-token prefill)
+    assert runs == 12  # every decode step fused (not the prefill)
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(caches[0], caches[1]):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
     if cache_kind == "dynamic_windowed" and model.config.model_type.startswith("gemma"):  # (the sliding ones)
-        assert min(keys.shape[2] for keys, _ in caches[0]) < 9 + 12  # a sliding layer dropped what it may
+        assert min(keys.shape[2] for keys, _ in caches[0]) < 17 + 12  # a sliding layer dropped what it may
 
 
 @pytest.mark.parametrize("kv_dtype", ["float32", "float16", "bfloat16", "int8"])
@@ -144,12 +145,27 @@ def test_a_paged_pool_step_gives_the_per_layer_bits(model, kv_dtype, monkeypatch
         assert torch.equal(a, b)
 
 
+def test_decode_steps_of_up_to_stack_rows_run_through_the_stack(model, monkeypatch):
+    """Decode steps of 12 batch rows (past the 8 of the per-layer fused ops, at most STACK_ROWS) run through the
+    stack: within float32 summation error of the per-layer path, whose attention over a batch is torch's SDPA."""
+    from kvgen.models.decode_stack import STACK_ROWS
+
+    ids = torch.randint(3, 128, (12, 5), generator=torch.Generator().manual_seed(3))
+    assert 8 < ids.shape[0] <= STACK_ROWS
+    padding = torch.ones_like(ids)
+    padding[1, :2] = 0
+    fused, runs = decode(model, ids, padding, kvgen.DynamicCache(config=model.config), 6, True, monkeypatch)
+    plain, _ = decode(model, ids, padding, kvgen.DynamicCache(config=model.config), 6, False, monkeypatch)
+    assert runs == 6  # (not the prefill: 60 rows)
+    assert max((a - b).abs().max().item() for a, b in zip(fused, plain)) < 1e-4
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 def test_the_stack_gives_the_same_bits_with_any_thread_count(model, threads, monkeypatch):
     """The stack's layers run in one parallel region whose threads split each product's rows and take attention
     items as they come: 1 thread and 3 (more than this machine's cores: its barriers must yield) give the bits of
     the per-layer path at the default count."""
-    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(2))  # (a prefill past STACK_ROWS)
     padding = torch.ones_like(ids)
     padding[0, :3] = 0
     plain, _ = decode(model, ids, padding, kvgen.DynamicCache(config=model.config), 8, False, monkeypatch)
@@ -184,13 +200,14 @@ def prefill_with(model, ids, padding, fused: bool, monkeypatch):
 
 
 def test_a_prefill_through_the_fused_ops_gives_the_module_bits(model, monkeypatch):
-    """A prefill of more rows than a decode step (2 x 16: int8 rows take kvgen::qmatmul up to QMATMUL_ROWS rows,
+    """A prefill of more rows than the stack takes (2 x 24: int8 rows take kvgen::qmatmul up to QMATMUL_ROWS rows,
     as the fused ops do) runs the fused attention inputs and MLP half of every layer,
     with the modules' bits."""
+    from kvgen.models.decode_stack import STACK_ROWS
     from kvgen.models.quantized_linear import QMATMUL_ROWS
 
-    ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(2))
-    assert ids.numel() <= QMATMUL_ROWS
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    assert STACK_ROWS < ids.numel() <= QMATMUL_ROWS
     padding = torch.ones_like(ids)
     padding[1, :5] = 0
     fused = prefill_with(model, ids, padding, True, monkeypatch)
@@ -476,7 +493,7 @@ def test_a_float32_model_decodes_through_the_stack(float_model, monkeypatch):
     ops, and within float32 summation error of the modules' torch operations (the fused ops off)."""
     from kvgen.models import native
 
-    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 128, (2, 17), generator=torch.Generator().manual_seed(4))  # (a prefill past STACK_ROWS)
     padding = torch.ones_like(ids)
     padding[1, :3] = 0
 
