@@ -80,14 +80,14 @@ class CacheLayer:
 
     def reserve(self, key: torch.Tensor, value: torch.Tensor, first: int) -> tuple | None:
         """Room made for the new keys/values from position ``first`` on (``cache_position[0]``) without writing
-        them: ``(keys, values, start, end, slots)``, buffers (B, H, slots, stored width) whose slots ``start .. end -
-        1`` are what ``update(key, value, cache_position)`` would return, the caller storing the new T tokens (in the buffers'
-        precision, :mod:`kvgen.cache.precision`) into the last T of them, or where ``slots`` (T,) says (a paged
-        pool's) when it is not ``None`` (the fused decode step, :mod:`kvgen.models.decode_stack`, which takes the
-        slot range rather than a view: two ``narrow`` calls a layer were a twentieth of a SmolLM2 step). Only the
-        shapes and dtypes of ``key``/``value`` (B, H, T, D) are read. ``None`` (the default), changing nothing: the
-        layer stores only through ``update`` (it quantizes, re-rotates or moves what it stores). A subclass that
-        changes what ``update`` stores changes ``reserve`` alike."""
+        them: ``(keys, values, start, end, slots)``, buffers (B, H, slots, stored width) whose slots ``start ..
+        end - 1`` are what ``update(key, value, cache_position)`` would return, the caller storing the new T tokens
+        (in the buffers' precision, :mod:`kvgen.cache.precision`) into the last T of them, or where ``slots`` (T,)
+        says (a paged pool's) when it is not ``None`` (the fused decode step, :mod:`kvgen.models.decode_stack`,
+        which takes the slot range rather than a view: two ``narrow`` calls a layer were a twentieth of a SmolLM2
+        step). Only the shapes and dtypes of ``key``/``value`` (B, H, T, D) are read. ``None`` (the default),
+        changing nothing: the layer stores only through ``update`` (it quantizes, re-rotates or moves what it
+        stores). A subclass that changes what ``update`` stores changes ``reserve`` alike."""
         return None
 
     def key_positions(self, cache_position: torch.Tensor) -> torch.Tensor:
@@ -260,9 +260,9 @@ class Cache:
 
     def reserve(self, keys: list[torch.Tensor], values: list[torch.Tensor], first: int) -> list[tuple] | None:
         """:meth:`CacheLayer.reserve` of layers 0 .. len(keys) - 1 for the new ``keys[i]``/``values[i]``
-        (B, Hkv, T, D) from position ``first`` on: per layer, ``(keys, values, start, end, slots)``, the buffers to store
-        the new tokens into (the last T of slots ``start .. end - 1``, or ``slots``) and then attend to; ``None``,
-        changing nothing, unless every layer can reserve."""
+        (B, Hkv, T, D) from position ``first`` on: per layer, ``(keys, values, start, end, slots)``, the buffers to
+        store the new tokens into (the last T of slots ``start .. end - 1``, or ``slots``) and then attend to;
+        ``None``, changing nothing, unless every layer can reserve."""
         n = len(keys)
         layers = self.layers[:n] if len(self.layers) >= n else [self.layer(i) for i in range(n)]
         if any(kind.reserve is CacheLayer.reserve for kind in set(map(type, layers))):

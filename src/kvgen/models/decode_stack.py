@@ -47,6 +47,7 @@ class LayerParts(NamedTuple):
     post_attention: torch.nn.Module | None = None
     post_feedforward: torch.nn.Module | None = None
 
+
 #: most rows (batch x new tokens) a step runs through the stack; more (a prefill) take the per-layer path. The serving
 #: engine's decode steps of 16 sequences (SmolLM2's GGUF, float16 pool, AMD EPYC Zen 3, 2 threads, alternating in one
 #: process): 109-126 ms a step through the per-layer path (its ops past 8 rows are ATen's), 80-89 ms through the
