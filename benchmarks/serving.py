@@ -41,7 +41,7 @@ Writes ``benchmarks/results/serving.json`` and ``serving.png``.
     python benchmarks/serving.py --parts offline prefix --quick
     python benchmarks/serving.py --parts offline --gguf        # stored weights, 16-bit KV: as kvgen serve runs
     python benchmarks/serving.py --parts sweep http           # the engine in process and through HTTP
-    python benchmarks/serving.py --parts http --systems kvgen-gguf llama.cpp --concurrency 16 \
+    python benchmarks/serving.py --parts http --systems kvgen-gguf llama.cpp --concurrency 16 \\
         --max-batch-tokens 256 --out DIR      # the GGUF pair at 16 clients, kvgen serve at its default budget
     python benchmarks/serving.py --parts offline sweep latency --device cuda --model CONFIG --random-weights \\
         --out DIR                # on a GPU host that lacks the packaged model: its config and tokenizer only

@@ -93,9 +93,9 @@ class StaticLayer(CacheLayer):
         """Slots ``0 .. seen + T``, the new tokens' after the filled ones, where they start there (``first``).
         None (nothing changed) where it does not, or where ``update`` would allocate, refuse or convert: the caller
         then calls it."""
-        end = self.get_seq_length() + key.shape[2]
-        if (self._k is None or end > self.max_cache_len or torch.compiler.is_compiling()
-                or first != self.get_seq_length()
+        seen = self.get_seq_length()
+        end = seen + key.shape[2]
+        if (self._k is None or end > self.max_cache_len or torch.compiler.is_compiling() or first != seen
                 or key.shape[:2] + key.shape[3:] != self._k.shape[:2] + self._k.shape[3:]
                 or value.shape[3] != self._v.shape[3] or key.dtype != self._k.dtype or key.device != self._k.device):
             return None

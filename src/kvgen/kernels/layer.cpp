@@ -295,16 +295,17 @@ void decoder_layers(const Stack& w, const float* x0, int64_t B, int64_t T, const
         barrier.wait(n);
         const int64_t heads = H + 2 * Hkv, per = (heads + n - 1) / n, h0 = std::min(heads, t * per),
                       h1 = std::min(heads, (t + 1) * per);
-        if (c.kv == KvFormat::F32 && !c.slots) {  // float32 slots in a row: rotated straight into them
-          float *kn = static_cast<float*>(c.keys) + (c.end - T) * c.k2,
-                *vn = static_cast<float*>(c.values) + (c.end - T) * c.v2;
-          rotate_heads(qkv, l.qkv_bias, B, T, H, Hkv, D, cos[c.table], sin[c.table], l.q_norm, l.k_norm, w.head_eps,
-                       w.offset, {q, H * T * D, T * D, D}, {kn, c.k0, c.k1, c.k2}, {vn, c.v0, c.v1, c.v2}, h0, h1);
-        } else {  // into fresh, then this thread's key and value heads stored
-          float* const fv = fresh + R * Hkv * D;
-          rotate_heads(qkv, l.qkv_bias, B, T, H, Hkv, D, cos[c.table], sin[c.table], l.q_norm, l.k_norm, w.head_eps,
-                       w.offset, {q, H * T * D, T * D, D}, {fresh, Hkv * T * D, T * D, D}, {fv, Hkv * T * D, T * D, D},
-                       h0, h1);
+        // float32 slots in a row: the new keys and values rotated straight into them; else into fresh, then this
+        // thread's key and value heads stored
+        const bool in_place = c.kv == KvFormat::F32 && !c.slots;
+        float* const fv = fresh + R * Hkv * D;
+        const Heads kh = in_place ? Heads{static_cast<float*>(c.keys) + (c.end - T) * c.k2, c.k0, c.k1, c.k2}
+                                  : Heads{fresh, Hkv * T * D, T * D, D};
+        const Heads vh = in_place ? Heads{static_cast<float*>(c.values) + (c.end - T) * c.v2, c.v0, c.v1, c.v2}
+                                  : Heads{fv, Hkv * T * D, T * D, D};
+        rotate_heads(qkv, l.qkv_bias, B, T, H, Hkv, D, cos[c.table], sin[c.table], l.q_norm, l.k_norm, w.head_eps,
+                     w.offset, {q, H * T * D, T * D, D}, kh, vh, h0, h1);
+        if (!in_place) {
           auto heads_of = [&](int64_t first) {  // this thread's heads among first .. first + Hkv - 1, from 0
             return std::make_pair(std::clamp(h0 - first, (int64_t)0, Hkv), std::clamp(h1 - first, (int64_t)0, Hkv));
           };
