@@ -10,6 +10,7 @@ from the same rule.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -86,3 +87,59 @@ def check_padding_mask(padding_mask: torch.Tensor, needed: int) -> None:
             f"{needed}: its shape must be (batch, past_kv_length + new_tokens_length) = "
             f"({padding_mask.shape[0]}, {needed}). Append a column of ones for every token fed so far."
         )
+
+
+Q_BLOCK = 16  # query rows per row block of a block-sparse mask: flex_attention's smallest tile
+
+
+def paged_block_mask(row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch.Tensor, block_size: int,
+                     num_slots: int, sliding_window: int | None = None):
+    """flex_attention's ``BlockMask`` of a ragged batch over a paged pool of ``num_slots`` slots: query row ``i``
+    (sequence ``row_seq[i]`` at position ``row_pos[i]``) may read the slots of its sequence's blocks
+    (``tables[row_seq[i]]``, (sequences, W) block ids in position order, -1 for none) that hold positions up to its
+    own, and past ``row_pos[i] - sliding_window``. Each block of ``Q_BLOCK`` rows lists the distinct pool blocks
+    any of its rows may read, so that attention reads those only; the mask function keeps each row to its own.
+
+    Tensor ops only, no host synchronisation: a CUDA graph can hold it. A block shared by several sequences (a
+    cached prefix) holds the same positions in each, so one logical index per block serves them all.
+
+    Example:
+        >>> mask = paged_block_mask(torch.tensor([0, 1]), torch.tensor([20, 3]),
+        ...                         torch.tensor([[2, 0], [1, -1]]), block_size=16, num_slots=64)
+        >>> mask.kv_num_blocks.tolist()  # the one row block reads pool blocks 0, 1 and 2
+        [[[3]]]
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device, width = tables.device, tables.shape[1]
+    num_blocks = num_slots // block_size
+    logical = torch.arange(width, device=device).expand_as(tables)  # (S, W)
+    block_logical = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=device)  # (+1: where -1s go)
+    block_logical.scatter_(0, torch.where(tables >= 0, tables, num_blocks).flatten(), logical.flatten())
+
+    first = torch.arange(width, device=device) * block_size  # (W,) first position of each logical block
+    rows = tables[row_seq]  # (T, W) the blocks of each row's sequence
+    visible = (rows >= 0) & (first <= row_pos[:, None])
+    if sliding_window is not None:
+        visible &= first + block_size - 1 > row_pos[:, None] - sliding_window
+    count = row_seq.shape[0]
+    groups = -(-count // Q_BLOCK)
+    rows = torch.where(visible, rows, -1)
+    rows = F.pad(rows, (0, 0, 0, groups * Q_BLOCK - count), value=-1).view(groups, Q_BLOCK * width)  # (G, 16 W)
+    rows = rows.sort(dim=1).values
+    repeated = torch.cat([torch.zeros_like(rows[:, :1], dtype=torch.bool), rows[:, 1:] == rows[:, :-1]], dim=1)
+    rows = rows.masked_fill(repeated, -1).sort(dim=1, descending=True).values  # distinct blocks first, -1s last
+    kv_num_blocks = (rows >= 0).sum(dim=1, dtype=torch.int32)  # (G,)
+
+    def mask_mod(b, h, q, kv):
+        block = kv // block_size
+        j = block_logical[block]  # the logical index the block holds
+        position = j * block_size + kv % block_size
+        allowed = (j >= 0) & (tables[row_seq[q], j.clamp(min=0)] == block) & (position <= row_pos[q])
+        if sliding_window is not None:
+            allowed = allowed & (position > row_pos[q] - sliding_window)
+        return allowed
+
+    return BlockMask.from_kv_blocks(kv_num_blocks[None, None], rows.clamp(min=0).to(torch.int32)[None, None],
+                                    BLOCK_SIZE=(Q_BLOCK, block_size), mask_mod=mask_mod,
+                                    seq_lengths=(count, num_slots), compute_q_blocks=False)

@@ -95,8 +95,9 @@ class RotaryEmbedding(nn.Module):
             self._dynamic_update(position_ids)
         elif position_ids.dim() == 2 and position_ids.shape[1] == 1 and (position_ids.shape[0] == 1 or
                                                                          position_ids.stride(0) == 0):
-            if not torch.compiler.is_compiling():  # one position for all rows: a decode step
-                return self._one_position(position_ids, dtype)
+            if not torch.compiler.is_compiling() and not (position_ids.is_cuda and
+                                                          torch.cuda.is_current_stream_capturing()):
+                return self._one_position(position_ids, dtype)  # one position for all rows: a decode step
         return self._tables(position_ids, dtype)
 
     def _tables(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

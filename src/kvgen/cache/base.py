@@ -100,6 +100,12 @@ class CacheLayer:
         overrides ``key_positions`` overrides this too."""
         return None
 
+    def block_mask(self, sliding_window: int | None):
+        """A block-sparse mask (flex_attention's ``BlockMask``) of this pass over what ``update`` returns, where
+        the layer reads only some blocks of it (a ``block_sparse`` paged pool); ``None`` (the default): the mask
+        comes from :meth:`key_positions`."""
+        return None
+
     def check_cache_position(self, cache_position: torch.Tensor) -> None:
         """Raise a clear error when ``cache_position`` cannot be written to this layer."""
 
@@ -253,6 +259,10 @@ class Cache:
     def key_range(self, layer_idx: int, cache_position: torch.Tensor) -> range | None:
         """:meth:`CacheLayer.key_range` of layer ``layer_idx``."""
         return self.layer(layer_idx).key_range(cache_position)
+
+    def block_mask(self, layer_idx: int, sliding_window: int | None):
+        """:meth:`CacheLayer.block_mask` of layer ``layer_idx``."""
+        return self.layer(layer_idx).block_mask(sliding_window)
 
     def reserves(self) -> bool:
         """Whether every layer this cache holds can :meth:`reserve` (a static cache's from the start)."""

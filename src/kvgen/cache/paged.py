@@ -26,10 +26,13 @@ import mmap
 import os
 import re
 
+from typing import NamedTuple
+
 import torch
 
 from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
 from kvgen.cache.precision import kv_dtype, store, stored_dim
+from kvgen.masks import paged_block_mask
 
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
 
@@ -77,6 +80,16 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype).view(shape)
 
 
+class BlockRows(NamedTuple):
+    """What a block-sparse pass tells each layer kind instead of per-row key positions: the sequence (T,) and
+    position (T,) of each query row, and each sequence's block table (sequences, W), -1 past its end and for
+    blocks that left its window (:func:`kvgen.masks.paged_block_mask`)."""
+
+    row_seq: torch.Tensor
+    row_pos: torch.Tensor
+    tables: torch.Tensor
+
+
 class PagedLayer(CacheLayer):
     """One attention layer's block pool; the per-pass state lives in the owning cache."""
 
@@ -89,19 +102,29 @@ class PagedLayer(CacheLayer):
         slots, positions = self.owner.steps[self.kind]
         store(self.pool_keys, slots, key)
         store(self.pool_values, slots, value)
+        if self.owner.block_sparse:  # the whole pool: the block mask says which blocks each row reads
+            return self.pool_keys, self.pool_values
         used = positions.shape[1]
         return self.pool_keys[:, :, :used], self.pool_values[:, :, :used]
 
     def reserve(self, key, value, first):
         """The pool's slots in use, the new tokens' among them where the step placed them (``begin_step``)."""
         step = self.owner.steps.get(self.kind)
-        if step is None or key.device != self.pool_keys.device or torch.compiler.is_compiling():
+        if step is None or self.owner.block_sparse or key.device != self.pool_keys.device or \
+                torch.compiler.is_compiling():
             return None  # (update() says what is missing)
         slots, positions = step
         return self.pool_keys, self.pool_values, 0, positions.shape[1], slots
 
     def key_positions(self, cache_position):
         return self.owner.steps[self.kind][1]  # (T, used): per query row, as masks.attention_mask takes it
+
+    def block_mask(self, sliding_window):
+        if not self.owner.block_sparse:
+            return None
+        rows: BlockRows = self.owner.steps[self.kind][1]
+        return paged_block_mask(rows.row_seq, rows.row_pos, rows.tables, self.owner.block_size,
+                                self.pool_keys.shape[2], sliding_window)
 
     def get_seq_length(self) -> int:
         return 0  # many sequences: positions come from the runner, never from the cache
@@ -143,6 +166,11 @@ class PagedAttentionCache(Cache):
         block_size: tokens per block (16).
         dtype: how keys and values are stored: float32, float16, bfloat16, or int8 rows with a scale per 32
             values (:mod:`kvgen.cache.precision`); a name or a dtype. Attention reads each as stored.
+        block_sparse: attention reads only the blocks of each row's sequence, through flex_attention and a
+            block mask built from the block tables (the GPU's way; ``begin_step`` then takes :class:`BlockRows`);
+            else (the CPU's way) a mask over every slot in use, from per-row key positions. The pool then has one
+            spare block past ``num_blocks``: the slot that padded rows of a fixed-size step write to
+            (``spare_slot``).
 
     Example:
         >>> cache = PagedAttentionCache(config, max_memory="256MB", dtype=torch.float32)  # doctest: +SKIP
@@ -151,7 +179,8 @@ class PagedAttentionCache(Cache):
     """
 
     def __init__(self, config, num_blocks: int | None = None, block_size: int = 16,
-                 max_memory: int | float | str | None = None, device=None, dtype=torch.float32):
+                 max_memory: int | float | str | None = None, device=None, dtype=torch.float32,
+                 block_sparse: bool = False):
         config = text_config(config)
         kinds = config_value(config, "layer_types") or ["full_attention"] * config_value(config, "num_hidden_layers")
         if any(kind not in ("full_attention", "sliding_attention") for kind in kinds):
@@ -175,18 +204,19 @@ class PagedAttentionCache(Cache):
                 f"a KV cache budget of {max_memory!r} holds no block: one block of {block_size} tokens takes "
                 f"{self.bytes_per_block} bytes for this model ({len(kinds)} layers x {kv_heads} kv heads x "
                 f"{block_size} tokens x {width * dtype.itemsize} bytes x keys and values); raise the budget")
-        self.num_blocks = num_blocks
+        self.num_blocks, self.block_sparse = num_blocks, block_sparse
         self.kinds = tuple(dict.fromkeys(kinds))
-        slots = num_blocks * block_size
+        self.spare_slot = num_blocks * block_size  # (block_sparse pools only)
+        slots = (num_blocks + block_sparse) * block_size
         super().__init__(layers=[
             PagedLayer(self, kind, _zeros((1, kv_heads, slots, width), dtype, device),
                        _zeros((1, kv_heads, slots, width), dtype, device)) for kind in kinds])
-        self.steps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.steps: dict[str, tuple[torch.Tensor, torch.Tensor | BlockRows]] = {}
 
-    def begin_step(self, steps: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def begin_step(self, steps: dict[str, tuple[torch.Tensor, torch.Tensor | BlockRows]]) -> None:
         """Set the next pass, per layer kind: ``(slot_mapping, row_key_positions)``: the slot (T,) of each new
         token, and (T, used) the position each of the first ``used`` slots holds for each query row (-1: not
-        its sequence, or out of its window)."""
+        its sequence, or out of its window); a ``block_sparse`` cache takes :class:`BlockRows` instead."""
         missing = set(self.kinds) - set(steps)
         if missing:
             raise ValueError(f"begin_step() needs slots and key positions for every layer kind; missing {missing}")

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from kvgen.cache.base import Cache
 from kvgen.cache.dynamic import DynamicCache, as_cache
@@ -354,13 +355,17 @@ class LayerMasks:
     def __init__(self, cache: Cache | None, cache_position: torch.Tensor, padding_mask: torch.Tensor | None):
         self.cache, self.cache_position, self.padding_mask = cache, cache_position, padding_mask
         self.static = torch.compiler.is_compiling()
-        self._built: dict[tuple, tuple[torch.Tensor | None, bool]] = {}
+        self._built: dict[tuple, tuple[torch.Tensor | BlockMask | None, bool]] = {}
 
-    def __call__(self, layer_idx: int, sliding_window: int | None) -> tuple[torch.Tensor | None, bool]:
+    def __call__(self, layer_idx: int, sliding_window: int | None) -> tuple[torch.Tensor | BlockMask | None, bool]:
         group = (None if self.cache is None else self.cache.mask_group(layer_idx), sliding_window)
         if group not in self._built:
             settled = self._settled(layer_idx, sliding_window)
-            if settled is None:
+            sparse = None if settled is not None or self.cache is None else self.cache.block_mask(layer_idx,
+                                                                                                   sliding_window)
+            if sparse is not None:  # a BlockMask: attention runs flex_attention (kvgen.models.sdpa)
+                settled = sparse, False
+            elif settled is None:
                 keys = (self.cache_position if self.cache is None
                         else self.cache.key_positions(layer_idx, self.cache_position))
                 settled = build_mask(self.cache_position, keys, self.padding_mask, sliding_window, static=self.static)

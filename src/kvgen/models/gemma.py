@@ -22,6 +22,7 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 
 from kvgen.config import GEMMA3_TYPES
 import kvgen.models.native as native
@@ -30,7 +31,7 @@ from kvgen.models.decode_blocks import decode_block
 from kvgen.models.decode_stack import CountedSettings, DecodeStack, LayerParts, fuses
 from kvgen.models.linear import Linear
 from kvgen.models.llama import LlamaForCausalLM, attention_inputs, gated_mlp
-from kvgen.models.sdpa import scaled_dot_product_attention
+from kvgen.models.sdpa import block_sparse_attention, scaled_dot_product_attention
 from kvgen.outputs import CausalLMOutputWithPast
 from kvgen.rope import RotaryEmbedding, apply_rotary
 
@@ -76,8 +77,11 @@ def softcapped_attention(q, k, v, mask, is_causal: bool, scale: float, softcap: 
     """Eager attention with ``tanh`` soft-capping of the scores, as Gemma 2 needs: (B, H, T, D).
 
     ``q`` is (B, H, T, D), ``k``/``v`` (B, Hkv, S, D) with H a multiple of Hkv; ``mask`` is a
-    boolean (B or 1, 1, T, S) where True may attend, or ``None`` (all, or causal with ``is_causal``).
+    boolean (B or 1, 1, T, S) where True may attend, or ``None`` (all, or causal with ``is_causal``); a
+    ``BlockMask`` goes to :func:`~kvgen.models.sdpa.block_sparse_attention`.
     """
+    if isinstance(mask, BlockMask):
+        return block_sparse_attention(q, k, v, mask, scale, softcap)
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     q = q.view(b, hkv, h // hkv, t, d)  # the query heads that share each key head

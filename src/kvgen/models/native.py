@@ -109,7 +109,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     int8 rows) go to the op at any density: it reads them as stored, where SDPA would need a float copy.
     """
     if q.shape[-1] % (32 if k.dtype == torch.int8 else 16) or \
-            (mask is not None and (mask.dtype != torch.bool or mask.dim() != 4)) or not _native(q, None):
+            (mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4)) \
+            or not _native(q, None):
         return None
     if is_causal:
         if mask is not None or q.shape[2] != k.shape[2]:

@@ -31,6 +31,7 @@ from kvgen.generation.config import GenerationConfig
 from kvgen.models.linear import pack_weights
 from kvgen.serving.blocks import BlockPool
 from kvgen.grammar import Grammars
+from kvgen.serving.graphs import DecodeGraphs
 from kvgen.serving.runner import IDLE, ModelRunner
 from kvgen.serving.scheduler import RequestStatus, SamplingParams, Scheduler, Sequence
 from kvgen.serving.store import open_store
@@ -93,6 +94,12 @@ class ContinuousBatchingConfig:
     ``pack_weights``: while the engine runs, float32 CPU linear layers keep a copy of their weight in
     oneDNN's layout (:func:`kvgen.models.linear.pack_weights`): steps of 14 rows ran their products
     2.9x faster, 64 rows 1.8x (SmolLM2-135M, AMD EPYC Zen 4), for a second copy of those weights.
+    ``block_sparse``: attention reads only each sequence's blocks, through flex_attention
+    (:func:`kvgen.masks.paged_block_mask`); else a mask over every slot in use, which the CPU's attention kernel
+    skips tile by tile. None: block-sparse on a GPU.
+    ``decode_graphs``: decode steps (one token per sequence) replay CUDA graphs captured per padded batch size at
+    start (:mod:`kvgen.serving.graphs`; a block-sparse pool); on a CPU, the same static buffers run eagerly.
+    None: on a GPU.
     """
 
     block_size: int = 16
@@ -106,6 +113,8 @@ class ContinuousBatchingConfig:
     kv_store_retry: float = 30.0  # seconds between tries to reach Redis again after it failed
     pack_weights: bool = True
     kv_dtype: str | None = None  # (or a torch.dtype)
+    block_sparse: bool | None = None
+    decode_graphs: bool | None = None
 
 
 class QueueFull(RuntimeError):
@@ -137,9 +146,11 @@ class ContinuousBatchingManager:
         self.config = config or ContinuousBatchingConfig()
         self.generation_config = (generation_config or model.generation_config).copy().fill_unset(
             model.generation_config).fill_unset()
+        sparse = self.config.block_sparse
         self.cache = PagedAttentionCache(model.config, num_blocks=self.config.num_blocks,
                                          block_size=self.config.block_size, max_memory=self.config.max_memory,
-                                         device=model.device, dtype=self.config.kv_dtype or model.dtype)
+                                         device=model.device, dtype=self.config.kv_dtype or model.dtype,
+                                         block_sparse=model.device.type == "cuda" if sparse is None else sparse)
         windows = {"full_attention": None, "sliding_attention": model.config.get("sliding_window")}
         self.pools = {kind: (BlockPool(self.cache.num_blocks, self.config.block_size), windows[kind])
                       for kind in self.cache.kinds}
@@ -153,8 +164,8 @@ class ContinuousBatchingManager:
                                                                       self.config.kv_store_retry)
         self.scheduler = Scheduler(self.pools, self.config.max_num_seqs, self.config.max_batch_tokens,
                                    self.config.prefix_caching, self.store)
-        self.runner = ModelRunner(model, self.cache)
         self.context_length = model.config.get("max_position_embeddings")
+        self.runner = ModelRunner(model, self.cache, self._decode_graphs())
         self._incoming: queue.Queue = queue.Queue()
         self._handles: dict[str, _Handle] = {}
         self._counter = itertools.count()
@@ -164,6 +175,17 @@ class ContinuousBatchingManager:
         self._stopping = False
         self.error: BaseException | None = None
         self.steps = self.generated_tokens = 0
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The decode steps' graphs (:mod:`kvgen.serving.graphs`) where the config asks for them."""
+        cuda = self.model.device.type == "cuda"
+        if not (cuda if self.config.decode_graphs is None else self.config.decode_graphs):
+            return None
+        if not self.cache.block_sparse or self.ranks > 1:
+            raise ValueError("decode_graphs needs block_sparse=True and a model on one device")
+        widest = -(-(self.context_length or self.cache.num_blocks * self.cache.block_size) // self.cache.block_size)
+        return DecodeGraphs(self.model, self.cache, self.config.max_num_seqs, min(widest, self.cache.num_blocks),
+                            capture=cuda)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:

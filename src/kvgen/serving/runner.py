@@ -17,11 +17,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from kvgen.cache.paged import PagedAttentionCache
+from kvgen.cache.paged import BlockRows, PagedAttentionCache
 from kvgen.generation.logits import min_p, temperature, top_k, top_p
 from kvgen.models.decode_blocks import eager_blocks
 from kvgen.grammar import Grammars, Masks, mask_refused_
+from kvgen.serving.graphs import DecodeGraphs
 from kvgen.serving.scheduler import SamplingParams, Sequence
 from kvgen.tensor_parallel import broadcast_object
 
@@ -42,8 +44,8 @@ class Plan(NamedTuple):
 class ModelRunner:
     """Runs ``model`` on batches of :class:`Sequence` chunks over a :class:`PagedAttentionCache`."""
 
-    def __init__(self, model, cache: PagedAttentionCache):
-        self.model, self.cache = model, cache
+    def __init__(self, model, cache: PagedAttentionCache, graphs: DecodeGraphs | None = None):
+        self.model, self.cache, self.graphs = model, cache, graphs
         self.device = model.device
         self.grammars: Grammars | None = None  # set by the engine with the first constrained request
         self.ranks = model.config.get("tp_size", 1)  # a model split over ranks (kvgen.tensor_parallel)
@@ -93,22 +95,32 @@ class ModelRunner:
     def forward(self, plan: Plan) -> torch.Tensor:
         """The kept rows' logits (kept, V) of ``plan``'s tokens, the cache told where each goes and which positions
         each row sees."""
+        if self.graphs is not None and len(plan.ids) == len(plan.spans) == len(plan.keep):  # a decode step
+            logits = self.graphs.run([(start, token, tables) for (start, _, tables), token in zip(plan.spans, plan.ids)])
+            if logits is not None:
+                return logits
         size, device = self.cache.block_size, self.device
         row_seq = torch.tensor([i for i, (start, end, _) in enumerate(plan.spans) for _ in range(end - start)])
+        positions = torch.cat([torch.arange(start, end) for start, end, _ in plan.spans])  # (T,)
         steps = {}
         for kind in self.cache.kinds:
-            used = size * (1 + max(b for _, _, tables in plan.spans for b in tables[kind]))
+            tables = [torch.tensor(tables[kind], dtype=torch.long) for _, _, tables in plan.spans]
+            slots = torch.cat([(table[:, None] * size + torch.arange(size)).flatten()[start:end]
+                               for table, (start, end, _) in zip(tables, plan.spans)])  # (T,) where each goes
+            if self.cache.block_sparse:  # attention reads each row's blocks (kvgen.masks.paged_block_mask)
+                rows = BlockRows(row_seq.to(device), positions.to(device),
+                                 pad_sequence(tables, batch_first=True, padding_value=-1).to(device))  # (S, W)
+                steps[kind] = (slots.to(device), rows)
+                continue
+            used = size * (1 + max(int(table.max()) for table in tables))
             key_positions = torch.full((len(plan.spans), used), -1, dtype=torch.long)  # (sequences, used slots)
-            slots = []
-            for i, (start, end, tables) in enumerate(plan.spans):
-                table = torch.tensor(tables[kind], dtype=torch.long)
+            for i, (table, (_, end, _)) in enumerate(zip(tables, plan.spans)):
                 seq_slots = (table[:, None] * size + torch.arange(size)).flatten()[:end]  # slot of each position
                 live = table.repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window are gone
                 key_positions[i, seq_slots[live]] = torch.arange(end)[live]
-                slots.append(seq_slots[start:end])
-            steps[kind] = (torch.cat(slots).to(device), key_positions[row_seq].to(device))  # (T,), (T, used)
+            steps[kind] = (slots.to(device), key_positions[row_seq].to(device))  # (T,), (T, used)
         self.cache.begin_step(steps)
-        positions = torch.cat([torch.arange(start, end) for start, end, _ in plan.spans]).to(device)  # (T,)
+        positions = positions.to(device)
         with eager_blocks():  # compiled blocks would compile a graph per batch size: seconds each
             return self.model(torch.tensor([plan.ids], device=device), position_ids=positions[None],
                               cache_position=positions, past_key_values=self.cache, use_cache=True,
