@@ -20,11 +20,11 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from kvgen.cache.paged import BlockRows, PagedAttentionCache
-from kvgen.generation.logits import min_p, temperature, top_k, top_p
 from kvgen.models.decode_blocks import eager_blocks
-from kvgen.grammar import Grammars, Masks, mask_refused_
+from kvgen.grammar import Grammars, Masks
 from kvgen.serving.graphs import DecodeGraphs
-from kvgen.serving.scheduler import SamplingParams, Sequence
+from kvgen.serving.sampler import prompt_logprobs, sample
+from kvgen.serving.scheduler import Sequence
 from kvgen.tensor_parallel import broadcast_object
 
 
@@ -74,18 +74,17 @@ class ModelRunner:
         self.tell_followers(plan)  # (a split model's other ranks run it too)
         logits = self.forward(plan)  # the masks are computed meanwhile, in llguidance's thread
         rows = logits[[j for _, j, _ in scored]].float()  # (scored, V)
-        for (seq, _, token), row, total in zip(scored, rows, normalizers(rows)):  # in the prompt's order
-            seq.prompt_logprobs.append(float(row[token]) - total)
-            seq.prompt_top_logprobs.append(top_logprobs(row, total, seq.params.prompt_logprobs))
+        tops = [seq.params.prompt_logprobs for seq, _, _ in scored]
+        for (seq, _, _), (logprob, alternatives) in zip(scored, prompt_logprobs(rows, [t for *_, t in scored], tops)):
+            seq.prompt_logprobs.append(logprob)  # (in the prompt's order)
+            seq.prompt_top_logprobs.append(alternatives)
         allowed = {}
         if masks:  # llguidance's bitmask of each constrained row
             bits = masks.wait([list(seq.params.eos_token_ids) for seq in constrained])  # (constrained, words)
             allowed = dict(zip(map(id, constrained), bits))
+        seqs = [seq for seq, _ in sampled]
         raw = logits[[j for _, j in sampled]].float()  # (sampled, V)
-        totals = normalizers(raw)
-        best = raw.argmax(dim=-1).tolist()
-        chosen = [(seq, *choose(seq, raw[i], totals[i], best[i], allowed.get(id(seq))))
-                  for i, (seq, _) in enumerate(sampled)]
+        chosen = [(seq, *choice) for seq, choice in zip(seqs, sample(seqs, raw, allowed))]
         for seq, token, _, _ in chosen:
             if seq.matcher is not None:
                 seq.matcher.consume_token(token)
@@ -140,89 +139,3 @@ class ModelRunner:
         their collectives time out otherwise) or stopped (None)."""
         if self.ranks > 1:
             broadcast_object(message)
-
-
-def choose(seq: Sequence, raw: torch.Tensor, total: float, best: int,
-           allowed: torch.Tensor | None = None) -> tuple[int, float, dict[int, float]]:
-    """Next token of ``seq`` from its raw logits (V,), penalized and biased (:func:`adjusted`), among the tokens
-    its grammar allows (``allowed``: a bitmask of :class:`~kvgen.grammar.Masks`, applied to ``raw`` in
-    place), greedy or sampled; with its log-probability under the model (the raw logits', as vLLM reports them) and
-    the ``top_logprobs`` most likely alternatives. ``total``: ``raw``'s normalizer (:func:`normalizers`); ``best``:
-    ``raw``'s argmax, the greedy token where nothing changes the logits."""
-    params: SamplingParams = seq.params
-    top = top_logprobs(raw, total, params.top_logprobs)  # before the grammar's mask: the model's own probabilities
-    if allowed is not None:  # the chosen token is allowed, so its logit stays as the model gave it
-        mask_refused_(raw, allowed)
-    scores = adjusted(params, seq.prompt, seq.generated, raw)
-    if params.do_sample:
-        scores = scores[None]  # (1, V)
-        for processor in _warpers(params):
-            scores = processor(None, scores)
-        if seq.generator is None:
-            seq.generator = torch.Generator(device=raw.device)
-            if params.seed is None:
-                seq.generator.seed()
-            else:
-                seq.generator.manual_seed(params.seed)
-        token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=seq.generator))
-    elif allowed is None and scores is raw:
-        token = best
-    else:
-        token = int(torch.argmax(scores))
-    return token, float(raw[token]) - total, top
-
-
-def normalizers(raw: torch.Tensor) -> list[float]:
-    """``log(sum(exp(row)))`` of each row of raw logits (n, V), in one op (16 rows one at a time cost ~5 ms of a
-    100 ms step): torch's ``logsumexp`` (float32, ~1e-6 off float64's over 49k-262k tokens): ``log_softmax``'s was
-    3e-6 to 3e-5 off, moving every logprob alike, which sums of prompt logprobs (lm-eval's loglikelihood) add up
-    (4e-4 over a 33-token continuation of SmolLM2). Float64 would take 2.8 ms over Gemma 3's 262k, 7x longer."""
-    return torch.logsumexp(raw, dim=-1).tolist()
-
-
-def top_logprobs(raw: torch.Tensor, total: float, top: int) -> dict[int, float]:
-    """The ``top`` likeliest tokens' log-probabilities (token -> value) under raw logits (V,) of normalizer
-    ``total``."""
-    if not top:
-        return {}
-    values, indices = raw.topk(top)
-    return {i: v - total for i, v in zip(indices.tolist(), values.tolist())}
-
-
-def adjusted(params: SamplingParams, prompt: list[int], generated: list[int], raw: torch.Tensor) -> torch.Tensor:
-    """The logits (V,) with the penalties and bias: first vLLM's (and transformers') ``repetition_penalty`` of
-    every token in the prompt or the reply (positive logits divided by it, negative ones multiplied), then
-    OpenAI's ``- frequency_penalty * count - presence_penalty * (count > 0) + logit_bias``, ``count`` each token's
-    occurrences in the reply (not the prompt).
-
-    Example:
-        >>> adjusted(SamplingParams(presence_penalty=1.0, logit_bias={0: -5.0}), [1], [2, 2], torch.zeros(4)).tolist()
-        [-5.0, 0.0, -1.0, 0.0]
-    """
-    if not (params.frequency_penalty or params.presence_penalty or params.logit_bias or
-            params.repetition_penalty != 1.0):
-        return raw
-    scores = raw.clone()
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(generated)), device=raw.device)
-        values = scores[seen]
-        scores[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if generated and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(generated, device=raw.device), minlength=raw.numel())  # (V,)
-        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=raw.device)
-        scores[ids] += torch.tensor(list(params.logit_bias.values()), dtype=scores.dtype, device=raw.device)
-    return scores
-
-
-def _warpers(params: SamplingParams):
-    """The sampling warpers of ``params``, in transformers' order."""
-    if params.temperature != 1.0:
-        yield temperature(params.temperature)
-    if params.top_k:
-        yield top_k(params.top_k)
-    if params.top_p < 1.0:
-        yield top_p(params.top_p)
-    if params.min_p > 0.0:
-        yield min_p(params.min_p)

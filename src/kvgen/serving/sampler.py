@@ -1,0 +1,130 @@
+"""Each sequence's next token from a step's logits, chosen on the logits' device and fetched in one transfer.
+
+A row goes through what ``generate()`` applies to it: the penalties and bias, its grammar's mask, then greedy
+choice or temperature, top-k, top-p and min-p and a draw from the request's own generator. Rows that nothing
+changes take one batched argmax. Tokens, their logits, the normalizers and the top alternatives then come to the
+host together, as one float64 tensor (float32 logits and token ids are exact in it): one host synchronisation
+per step, where a GPU would otherwise wait on a few per row.
+
+Example:
+    >>> sample([seq_a, seq_b], logits, allowed={})          # doctest: +SKIP
+    [(1234, -0.71, {}), (87, -2.3, {87: -2.3, 11: -2.5})]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.generation.logits import min_p, temperature, top_k, top_p
+from kvgen.grammar import mask_refused_
+from kvgen.serving.scheduler import SamplingParams, Sequence
+
+
+def sample(seqs: list[Sequence], raw: torch.Tensor,
+           allowed: dict[int, torch.Tensor]) -> list[tuple[int, float, dict[int, float]]]:
+    """``(token, logprob, top_logprobs)`` of each sequence from its raw logits (n, V) float32, among the tokens its
+    grammar allows (``allowed``: ``id(seq)`` -> a bitmask of :class:`~kvgen.grammar.Masks`, applied to ``raw`` in
+    place). The log-probability is under the model's raw logits (as vLLM reports it), and so are the
+    ``top_logprobs`` likeliest alternatives."""
+    if not seqs:
+        return []
+    totals = torch.logsumexp(raw, dim=-1)  # (n,): float32, ~1e-6 off float64's over 49k-262k tokens
+    tops = [seq.params.top_logprobs for seq in seqs]
+    top = raw.topk(max(tops), dim=-1) if max(tops, default=0) else None  # before the grammars' masks
+    tokens = raw.argmax(dim=-1)  # (n,): greedy, where nothing changes the logits
+    for i, seq in enumerate(seqs):
+        bits, params = allowed.get(id(seq)), seq.params
+        if bits is None and not params.do_sample and not changes_logits(params):
+            continue
+        row = raw[i]  # (V,)
+        if bits is not None:  # the chosen token is allowed, so its logit stays as the model gave it
+            mask_refused_(row, bits)
+        scores = adjusted(params, seq.prompt, seq.generated, row)
+        tokens[i] = draw(seq, scores) if params.do_sample else scores.argmax()
+    return fetch(raw, tokens, totals, top, tops)
+
+
+def fetch(raw: torch.Tensor, tokens: torch.Tensor, totals: torch.Tensor, top, tops: list[int]):
+    """``(token, logprob, top_logprobs)`` of each row of ``raw`` (n, V), ``tokens`` (n,) on its device, ``totals`` its
+    normalizers (n,) and ``top`` its ``topk`` of ``max(tops)`` (or None), brought to the host in one transfer.
+    Each log-probability is a logit minus its normalizer, taken in float64 on the host."""
+    columns = [tokens[:, None], raw.gather(1, tokens[:, None]), totals[:, None]]  # (n, 1) each
+    if top is not None:
+        columns += [top.indices, top.values]  # (n, k) each
+    rows = torch.cat([c.double() for c in columns], dim=1).tolist()  # the one host synchronisation
+    k = top.values.shape[1] if top is not None else 0
+    out = []
+    for (token, logit, total, *alternatives), wanted in zip(rows, tops):
+        ids, values = alternatives[:k][:wanted], alternatives[k:][:wanted]
+        out.append((int(token), logit - total, {int(i): v - total for i, v in zip(ids, values)}))
+    return out
+
+
+def prompt_logprobs(raw: torch.Tensor, tokens: list[int], tops: list[int]) -> list[tuple[float, dict[int, float]]]:
+    """The log-probability of each prompt token under the logits (n, V) of the row before it, with the ``tops[i]``
+    likeliest alternatives, in one transfer."""
+    if not tokens:
+        return []
+    totals = torch.logsumexp(raw, dim=-1)  # (n,)
+    top = raw.topk(max(tops), dim=-1) if max(tops) else None
+    scored = fetch(raw, torch.tensor(tokens, device=raw.device), totals, top, tops)
+    return [(logprob, alternatives) for _, logprob, alternatives in scored]
+
+
+def changes_logits(params: SamplingParams) -> bool:
+    """Whether penalties or a bias change the logits before the choice."""
+    return bool(params.frequency_penalty or params.presence_penalty or params.logit_bias or
+                params.repetition_penalty != 1.0)
+
+
+def draw(seq: Sequence, scores: torch.Tensor) -> torch.Tensor:
+    """A token (0-d, on the scores' device) drawn from ``scores`` (V,) after the request's warpers, with its
+    own generator (seeded by ``params.seed``, else at random), as ``generate()`` draws it."""
+    scores = scores[None]  # (1, V)
+    for processor in _warpers(seq.params):
+        scores = processor(None, scores)
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=scores.device)
+        if seq.params.seed is None:
+            seq.generator.seed()
+        else:
+            seq.generator.manual_seed(seq.params.seed)
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=seq.generator).view(())
+
+
+def adjusted(params: SamplingParams, prompt: list[int], generated: list[int], raw: torch.Tensor) -> torch.Tensor:
+    """The logits (V,) with the penalties and bias: first vLLM's (and transformers') ``repetition_penalty`` of
+    every token in the prompt or the reply (positive logits divided by it, negative ones multiplied), then
+    OpenAI's ``- frequency_penalty * count - presence_penalty * (count > 0) + logit_bias``, ``count`` each token's
+    occurrences in the reply (not the prompt).
+
+    Example:
+        >>> adjusted(SamplingParams(presence_penalty=1.0, logit_bias={0: -5.0}), [1], [2, 2], torch.zeros(4)).tolist()
+        [-5.0, 0.0, -1.0, 0.0]
+    """
+    if not changes_logits(params):
+        return raw
+    scores = raw.clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt) | set(generated)), device=raw.device)
+        values = scores[seen]
+        scores[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if generated and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(generated, device=raw.device), minlength=raw.numel())  # (V,)
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=raw.device)
+        scores[ids] += torch.tensor(list(params.logit_bias.values()), dtype=scores.dtype, device=raw.device)
+    return scores
+
+
+def _warpers(params: SamplingParams):
+    """The sampling warpers of ``params``, in transformers' order."""
+    if params.temperature != 1.0:
+        yield temperature(params.temperature)
+    if params.top_k:
+        yield top_k(params.top_k)
+    if params.top_p < 1.0:
+        yield top_p(params.top_p)
+    if params.min_p > 0.0:
+        yield min_p(params.min_p)
