@@ -45,6 +45,8 @@ Writes ``benchmarks/results/serving.json`` and ``serving.png``.
         --max-batch-tokens 256 --out DIR      # the GGUF pair at 16 clients, kvgen serve at its default budget
     python benchmarks/serving.py --parts offline sweep latency --device cuda --model CONFIG --random-weights \\
         --out DIR                # on a GPU host that lacks the packaged model: its config and tokenizer only
+    python benchmarks/serving.py --parts nanovllm offline --device cuda --model QWEN_CONFIG --random-weights \
+        --dtype bfloat16 --kv-dtype bfloat16 --kv-memory 0.5 --out DIR    # issue target: Qwen2.5-0.5B's shapes
 """
 
 from __future__ import annotations
@@ -484,7 +486,7 @@ def worker(args) -> None:
     if args.worker == "transformers":
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype),
                                                                   device_map=args.device).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     else:
@@ -494,7 +496,8 @@ def worker(args) -> None:
         if args.gguf:  # weights in their stored types, as kvgen serve and generate() run the GGUF
             model = kvgen.AutoModelForCausalLM.from_pretrained(default_gguf_path(), device_map=args.device)
         else:
-            model = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, device_map=args.device)
+            model = kvgen.AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype),
+                                                               device_map=args.device)
         tokenizer = kvgen.AutoTokenizer.from_pretrained(folder)
     part = args.worker
     if part in ("kvgen", "kvgen-sequential", "transformers"):
@@ -534,6 +537,7 @@ def spawn(args, part: str) -> dict:
     command = [sys.executable, __file__, "--worker", part, "--threads", str(args.threads), "--device", args.device]
     command += (["--quick"] if args.quick else []) + (["--model", args.model] if args.model else [])
     command += ["--kv-dtype", args.kv_dtype, "--max-batch-tokens", str(args.max_batch_tokens)]
+    command += ["--dtype", args.dtype, "--kv-memory", str(args.kv_memory)]
     command += ["--concurrency", *map(str, args.concurrency)] + (["--gguf"] if args.gguf else [])
     print(f"-- {part}", flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
@@ -605,6 +609,10 @@ def main() -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=64,
                         help="kvgen's and transformers' tokens per step in sweep, prefix, exactness and http "
                              "(latency tries 64, 48 and 32; kvgen serve's own default: 256)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="the weights' dtype where they load from a folder (kvgen and transformers alike)")
+    parser.add_argument("--kv-memory", default="2GiB", help="the engines' KV pool: bytes ('2GiB') or a fraction "
+                        "of the free memory (0.5)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of serving.json and serving.png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -614,7 +622,6 @@ def main() -> None:
     args.offline_new = 32 if args.quick else 128
     args.exact_requests = 16 if args.quick else 64
     args.nano_requests = 16 if args.quick else 256
-    args.kv_memory = "2GiB"
     args.http_systems = args.systems
     if args.worker:
         worker(args)
@@ -627,7 +634,8 @@ def main() -> None:
     results = json.loads(path.read_text()) if path.exists() else {}
     results.update({"cpu": cpu(), "device": device_name(args.device), "random_weights": args.random_weights,
                     "threads": args.threads, "quick": args.quick, "load_before": os.getloadavg()[0],
-                    "max_batch_tokens": args.max_batch_tokens, "prompt_tokens": args.prompt, "new_tokens": args.new})
+                    "max_batch_tokens": args.max_batch_tokens, "prompt_tokens": args.prompt, "new_tokens": args.new,
+                    "dtype": args.dtype, "kv_memory": args.kv_memory})
     for part in args.parts:
         if part == "offline":
             o = results["offline"] = {system: spawn(args, system) for system in ("kvgen", "kvgen-sequential")}
@@ -646,7 +654,7 @@ def main() -> None:
             results[part] = spawn(args, part)
             results[part]["quick"] = args.quick
         if part != "http":  # (the http part says it per server)
-            results[part].update(kv_dtype=args.kv_dtype, kvgen_weights="gguf" if args.gguf else "float32")
+            results[part].update(kv_dtype=args.kv_dtype, kvgen_weights="gguf" if args.gguf else args.dtype)
         args.out.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
     chart(results, args.out / "serving.png")
