@@ -3,8 +3,11 @@
 The scheduled tokens of all sequences are laid side by side as one row (batch 1, no
 padding). For each query row the runner tells the paged cache which position every pool
 slot holds for that row's sequence, so that :mod:`kvgen.masks` builds the mask from
-positions as for any cache. Logits are computed only for the last row of each sequence
-whose known tokens are all in the cache after this pass; those sequences get a new token.
+positions as for any cache; a block-sparse pool (a GPU's) is told each row's sequence,
+position and block table instead (:class:`~kvgen.cache.paged.BlockRows`), and decode steps
+go through :mod:`kvgen.serving.graphs` where the engine made them. Logits are computed only
+for the last row of each sequence whose known tokens are all in the cache after this pass;
+those sequences get a new token (:mod:`kvgen.serving.sampler`).
 
 Example:
     >>> runner = ModelRunner(model, cache)                  # doctest: +SKIP
