@@ -155,11 +155,9 @@ def run_load(manager, requests, arrivals: list[float] | None = None, concurrency
 
 def worker_sweep(args, model, tokenizer) -> dict:
     from kvgen.bench import peak_rss_mb
-    from kvgen.serving import ContinuousBatchingConfig
 
     text = kjv_ids(tokenizer, 60000).tolist()
-    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
-                                      max_num_seqs=64, kv_dtype=args.kv_dtype)
+    config = engine_config(args, max_batch_tokens=args.max_batch_tokens, max_num_seqs=64)
     out = {"closed_loop": {}, "poisson": {}}
     with model.init_continuous_batching(continuous_batching_config=config) as manager:
         run_load(manager, workload(text, 2, args.prompt, (8, 8), seed=99), concurrency=2)  # warm-up
@@ -199,9 +197,7 @@ def worker_offline(args, model, tokenizer, system: str) -> dict:
             model.generate(torch.tensor([prompt], device=args.device), max_new_tokens=args.offline_new,
                            do_sample=False, eos_token_id=None)
     elif system == "kvgen":
-        from kvgen.serving import ContinuousBatchingConfig
-
-        config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_num_seqs=16, kv_dtype=args.kv_dtype)
+        config = engine_config(args, max_num_seqs=16)
         outputs = model.generate_batch(prompts, max_new_tokens=args.offline_new, eos_token_id=[],
                                        continuous_batching_config=config)
         assert all(len(o.generated_tokens) == args.offline_new for o in outputs.values())
@@ -222,13 +218,11 @@ def worker_latency(args, model, tokenizer) -> dict:
     chunks besides the running decodes costs about one float32 row's arithmetic per token (~1.3 ms on 2
     Zen 4 cores), so ``max_batch_tokens`` bounds the slowest steps. First one client (its inter-token
     latency is a single request's decode step), then the 16-client closed loop of ``sweep`` at each budget."""
-    from kvgen.serving import ContinuousBatchingConfig
 
     text = kjv_ids(tokenizer, 60000).tolist()
     out = {"budgets": {}}
     for budget in LATENCY_BUDGETS:
-        config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=budget, max_num_seqs=64,
-                                          kv_dtype=args.kv_dtype)
+        config = engine_config(args, max_batch_tokens=budget, max_num_seqs=64)
         with model.init_continuous_batching(continuous_batching_config=config) as manager:
             run_load(manager, workload(text, 2, args.prompt, (8, 8), seed=99), concurrency=2)  # warm-up
             if "one_client" not in out:
@@ -242,13 +236,11 @@ def worker_latency(args, model, tokenizer) -> dict:
 
 
 def worker_prefix(args, model, tokenizer) -> dict:
-    from kvgen.serving import ContinuousBatchingConfig
 
     text = kjv_ids(tokenizer, 8000).tolist()
     system = text[:2000]
     questions = [text[3000 + 60 * i: 3040 + 60 * i] for i in range(3)]
-    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
-                                      kv_dtype=args.kv_dtype)
+    config = engine_config(args, max_batch_tokens=args.max_batch_tokens)
     out = []
     with model.init_continuous_batching(continuous_batching_config=config) as manager:
         manager.get_result(manager.add_request(text[5000:5020], max_new_tokens=2), timeout=600)  # warm-up
@@ -263,21 +255,27 @@ def worker_prefix(args, model, tokenizer) -> dict:
     return {"requests": out, "ttft_ratio_first_over_second": round(out[0]["ttft_ms"] / out[1]["ttft_ms"], 2)}
 
 
+def engine_config(args, **settings):
+    """The engine's config of a part: ``settings`` and the command line's pool (its size, block size, dtype)."""
+    from kvgen.serving import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(max_memory=args.kv_memory, block_size=args.block_size, kv_dtype=args.kv_dtype,
+                                    **settings)
+
+
 def worker_nanovllm(args, model, tokenizer) -> dict:
     """nano-vllm's benchmark: ``args.nano_requests`` requests of 100-1,024 random token ids and 100-1,024 new tokens
     each (no end of sequence), all submitted at once."""
     import torch
 
     from kvgen.bench import peak_rss_mb
-    from kvgen.serving import ContinuousBatchingConfig
 
     rng = random.Random(0)
     vocab = model.config.vocab_size
     requests = [([rng.randrange(vocab) for _ in range(rng.randint(100, 1024))], rng.randint(100, 1024))
                 for _ in range(args.nano_requests)]
     gpu = args.device.startswith("cuda")
-    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_num_seqs=args.nano_requests,
-                                      max_batch_tokens=16384 if gpu else 256, kv_dtype=args.kv_dtype)
+    config = engine_config(args, max_num_seqs=args.nano_requests, max_batch_tokens=16384 if gpu else 256)
     with model.init_continuous_batching(continuous_batching_config=config) as manager:
         run_load(manager, [(p[:50], 4) for p, _ in requests[:2]], concurrency=2)  # warm-up
         out = run_load(manager, requests, arrivals=[0.0] * len(requests))
@@ -292,12 +290,10 @@ def worker_exactness(args, model, tokenizer) -> dict:
 
     import kvgen
     from kvgen.cache.precision import kv_dtype
-    from kvgen.serving import ContinuousBatchingConfig
 
     text = kjv_ids(tokenizer, 60000).tolist()
     requests = workload(text, args.exact_requests, (50, 1000), (64, 64), seed=64)
-    config = ContinuousBatchingConfig(max_memory=args.kv_memory, max_batch_tokens=args.max_batch_tokens,
-                                      max_num_seqs=64, kv_dtype=args.kv_dtype)
+    config = engine_config(args, max_batch_tokens=args.max_batch_tokens, max_num_seqs=64)
     with model.init_continuous_batching(continuous_batching_config=config) as manager:
         ids = []
         for prompt, new in requests:
@@ -537,7 +533,7 @@ def spawn(args, part: str) -> dict:
     command = [sys.executable, __file__, "--worker", part, "--threads", str(args.threads), "--device", args.device]
     command += (["--quick"] if args.quick else []) + (["--model", args.model] if args.model else [])
     command += ["--kv-dtype", args.kv_dtype, "--max-batch-tokens", str(args.max_batch_tokens)]
-    command += ["--dtype", args.dtype, "--kv-memory", str(args.kv_memory)]
+    command += ["--dtype", args.dtype, "--kv-memory", str(args.kv_memory), "--block-size", str(args.block_size)]
     command += ["--concurrency", *map(str, args.concurrency)] + (["--gguf"] if args.gguf else [])
     print(f"-- {part}", flush=True)
     done = subprocess.run(command, capture_output=True, text=True)
@@ -613,6 +609,7 @@ def main() -> None:
                         help="the weights' dtype where they load from a folder (kvgen and transformers alike)")
     parser.add_argument("--kv-memory", default="2GiB", help="the engines' KV pool: bytes ('2GiB') or a fraction "
                         "of the free memory (0.5)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block of the engines' paged pool")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of serving.json and serving.png")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -635,7 +632,7 @@ def main() -> None:
     results.update({"cpu": cpu(), "device": device_name(args.device), "random_weights": args.random_weights,
                     "threads": args.threads, "quick": args.quick, "load_before": os.getloadavg()[0],
                     "max_batch_tokens": args.max_batch_tokens, "prompt_tokens": args.prompt, "new_tokens": args.new,
-                    "dtype": args.dtype, "kv_memory": args.kv_memory})
+                    "dtype": args.dtype, "kv_memory": args.kv_memory, "block_size": args.block_size})
     for part in args.parts:
         if part == "offline":
             o = results["offline"] = {system: spawn(args, system) for system in ("kvgen", "kvgen-sequential")}

@@ -287,7 +287,8 @@ def test_block_sparse_attention_and_decode_graphs_on_cuda_match_the_dense_masks(
     size was captured and the decode steps went through the graphs."""
     gpu = on(tiny(fields), DEVICE)
     g = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (9,), generator=g)]
+    lengths = torch.randint(3, 40, (9,), generator=g)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in lengths]
     graphs, manager, runs = engine_outputs(gpu, prompts)
     assert manager.cache.block_sparse and sorted(manager.runner.graphs.graphs) == [1, 2, 4, 8]
     assert len(runs) >= 11 and max(runs) == 6

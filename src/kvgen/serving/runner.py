@@ -76,17 +76,19 @@ class ModelRunner:
         plan = Plan(ids, spans, keep)
         self.tell_followers(plan)  # (a split model's other ranks run it too)
         logits = self.forward(plan)  # the masks are computed meanwhile, in llguidance's thread
-        rows = logits[[j for _, j, _ in scored]].float()  # (scored, V)
-        tops = [seq.params.prompt_logprobs for seq, _, _ in scored]
-        for (seq, _, _), (logprob, alternatives) in zip(scored, prompt_logprobs(rows, [t for *_, t in scored], tops)):
-            seq.prompt_logprobs.append(logprob)  # (in the prompt's order)
-            seq.prompt_top_logprobs.append(alternatives)
+        if scored:
+            rows = logits[[j for _, j, _ in scored]].float()  # (scored, V)
+            tops = [seq.params.prompt_logprobs for seq, _, _ in scored]
+            for (seq, _, _), (logprob, top) in zip(scored, prompt_logprobs(rows, [t for *_, t in scored], tops)):
+                seq.prompt_logprobs.append(logprob)  # (in the prompt's order)
+                seq.prompt_top_logprobs.append(top)
         allowed = {}
         if masks:  # llguidance's bitmask of each constrained row
             bits = masks.wait([list(seq.params.eos_token_ids) for seq in constrained])  # (constrained, words)
             allowed = dict(zip(map(id, constrained), bits))
         seqs = [seq for seq, _ in sampled]
-        raw = logits[[j for _, j in sampled]].float()  # (sampled, V)
+        rows = [j for _, j in sampled]
+        raw = (logits if rows == list(range(len(logits))) else logits[rows]).float()  # (sampled, V)
         chosen = [(seq, *choice) for seq, choice in zip(seqs, sample(seqs, raw, allowed))]
         for seq, token, _, _ in chosen:
             if seq.matcher is not None:
@@ -98,7 +100,8 @@ class ModelRunner:
         """The kept rows' logits (kept, V) of ``plan``'s tokens, the cache told where each goes and which positions
         each row sees."""
         if self.graphs is not None and len(plan.ids) == len(plan.spans) == len(plan.keep):  # a decode step
-            logits = self.graphs.run([(start, token, tables) for (start, _, tables), token in zip(plan.spans, plan.ids)])
+            rows = [(start, token, tables) for (start, _, tables), token in zip(plan.spans, plan.ids)]
+            logits = self.graphs.run(rows)
             if logits is not None:
                 return logits
         size, device = self.cache.block_size, self.device
