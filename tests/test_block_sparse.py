@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvgen
 from kvgen.cache.paged import PagedAttentionCache
@@ -113,6 +114,36 @@ def test_the_decode_graphs_static_buffers_give_the_runner_steps(model):
     for a, b in zip(graphs, dense):
         assert a.generated_tokens == b.generated_tokens and len(a.generated_tokens) == 10
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops that read a tensor's value on the host, which CUDA graph capture forbids."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_graph_step_reads_no_value_on_the_host(monkeypatch):
+    """What a CUDA graph captures may not read tensor values on the host: a graph step of 4 rows over the buffers
+    (its block mask included) reads none. (Eager flex_attention, which cannot run under a dispatch mode, is
+    replaced by a stand-in that uses its inputs.)"""
+    import kvgen.models.sdpa as sdpa
+
+    model = kvgen.AutoModelForCausalLM.from_config(kvgen.PretrainedConfig(**BASE, model_type="llama"))
+    config = ContinuousBatchingConfig(block_size=BLOCK, num_blocks=16, max_num_seqs=4, block_sparse=True,
+                                      decode_graphs=True, pack_weights=False)
+    graphs = model.init_continuous_batching(continuous_batching_config=config).runner.graphs
+    masks = []
+    monkeypatch.setattr(sdpa, "flex_attention", lambda q, k, v, block_mask, **_: masks.append(block_mask) or q * 0)
+    with HostReads() as mode:
+        logits = graphs._forward(4)
+    assert mode.reads == 0 and logits.shape == (4, 128) and len(masks) == 2
+    assert masks[0].kv_num_blocks.tolist() == [[[1]]]  # the four padded rows read the spare block
 
 
 def test_decode_graphs_need_a_block_sparse_pool(model):
