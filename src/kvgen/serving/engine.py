@@ -99,7 +99,7 @@ class ContinuousBatchingConfig:
     skips tile by tile. None: block-sparse on a GPU.
     ``decode_graphs``: decode steps (one token per sequence) replay CUDA graphs captured per padded batch size at
     start (:mod:`kvgen.serving.graphs`; a block-sparse pool); on a CPU, the same static buffers run eagerly.
-    None: on a GPU.
+    None: on a GPU, for a block-sparse pool and a model on one device.
     """
 
     block_size: int = 16
@@ -179,7 +179,8 @@ class ContinuousBatchingManager:
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The decode steps' graphs (:mod:`kvgen.serving.graphs`) where the config asks for them."""
         cuda = self.model.device.type == "cuda"
-        if not (cuda if self.config.decode_graphs is None else self.config.decode_graphs):
+        wanted = self.config.decode_graphs
+        if not (cuda and self.cache.block_sparse and self.ranks == 1 if wanted is None else wanted):
             return None
         if not self.cache.block_sparse or self.ranks > 1:
             raise ValueError("decode_graphs needs block_sparse=True and a model on one device")
