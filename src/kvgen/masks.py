@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
 
 
 def attention_mask(query_positions: torch.Tensor, key_positions: torch.Tensor,
@@ -93,7 +94,7 @@ Q_BLOCK = 16  # query rows per row block of a block-sparse mask: flex_attention'
 
 
 def paged_block_mask(row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch.Tensor, block_size: int,
-                     num_slots: int, sliding_window: int | None = None):
+                     num_slots: int, sliding_window: int | None = None) -> BlockMask:
     """flex_attention's ``BlockMask`` of a ragged batch over a paged pool of ``num_slots`` slots: query row ``i``
     (sequence ``row_seq[i]`` at position ``row_pos[i]``) may read the slots of its sequence's blocks
     (``tables[row_seq[i]]``, (sequences, W) block ids in position order, -1 for none) that hold positions up to its
@@ -109,8 +110,6 @@ def paged_block_mask(row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch
         >>> mask.kv_num_blocks.tolist()  # the one row block reads pool blocks 0, 1 and 2
         [[[3]]]
     """
-    from torch.nn.attention.flex_attention import BlockMask
-
     device, width = tables.device, tables.shape[1]
     num_blocks = num_slots // block_size
     logical = torch.arange(width, device=device).expand_as(tables)  # (S, W)

@@ -25,7 +25,6 @@ import math
 import mmap
 import os
 import re
-
 from typing import NamedTuple
 
 import torch

@@ -361,11 +361,10 @@ class LayerMasks:
         group = (None if self.cache is None else self.cache.mask_group(layer_idx), sliding_window)
         if group not in self._built:
             settled = self._settled(layer_idx, sliding_window)
-            sparse = None if settled is not None or self.cache is None else self.cache.block_mask(layer_idx,
-                                                                                                   sliding_window)
-            if sparse is not None:  # a BlockMask: attention runs flex_attention (kvgen.models.sdpa)
-                settled = sparse, False
-            elif settled is None:
+            if settled is None and self.cache is not None:
+                sparse = self.cache.block_mask(layer_idx, sliding_window)  # a BlockMask: flex_attention runs
+                settled = None if sparse is None else (sparse, False)
+            if settled is None:
                 keys = (self.cache_position if self.cache is None
                         else self.cache.key_positions(layer_idx, self.cache_position))
                 settled = build_mask(self.cache_position, keys, self.padding_mask, sliding_window, static=self.static)
