@@ -498,3 +498,16 @@ def test_a_truncated_gguf_is_one_clear_line(tmp_path, capsys):
     assert lines[-1].startswith("kvgen: error: ") and "cut.gguf: tensor token_embd.weight" in lines[-1] \
         and "the file at 5000000 (truncated?)" in lines[-1], lines
     assert sum(line.startswith("kvgen: error") for line in lines) == 1 and "Traceback" not in "\n".join(lines)
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--dense-attention"], False)])
+def test_serve_dense_attention_turns_off_the_gpu_path(flags, expected, monkeypatch):
+    """``kvgen serve --dense-attention`` gives the engine dense masks and eager decode steps; without it the device
+    decides (block-sparse and CUDA graphs on a GPU)."""
+    import kvgen.serving.server as server
+
+    seen = []
+    monkeypatch.setattr(server, "create_app", lambda *args, engine_config, **_: seen.append(engine_config))
+    monkeypatch.setattr(server, "serve", lambda app, **_: None)
+    assert main(["serve", *flags]) == 0
+    assert seen[0].block_sparse is expected and seen[0].decode_graphs is expected

@@ -322,10 +322,11 @@ def cmd_serve(args) -> int:
     _set_threads(None if tp_plan else args.threads)
     model, tokenizer = load(args.model, args.dtype, device=args.device, tp_plan=tp_plan)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+    dense = {"block_sparse": False, "decode_graphs": False} if args.dense_attention else {}  # (else the device's)
     engine = ContinuousBatchingConfig(max_num_seqs=args.max_num_seqs, max_batch_tokens=args.max_batch_tokens,
                                       max_memory=args.kv_cache_memory, max_queue=args.max_queue,
                                       kv_store=args.kv_store, kv_store_retry=args.kv_store_retry,
-                                      kv_dtype=args.kv_dtype or serving_kv_dtype(model))
+                                      kv_dtype=args.kv_dtype or serving_kv_dtype(model), **dense)
     if not front:  # a rank of a split model: rank 0 serves HTTP and plans, this one runs its steps until it stops
         import signal
 
@@ -469,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-dtype", choices=list(KV_DTYPES),
                    help="how the KV cache stores keys and values; int8: a scale per 32 values (default: float16 "
                         "for a float32 model on the CPU: half the bytes attention reads; else the model's dtype)")
+    s.add_argument("--dense-attention", action="store_true",
+                   help="on a GPU, attend through masks over every slot in use and run decode steps eagerly (the "
+                        "CPU's way) instead of block-sparse flex_attention and CUDA-graph decode steps")
     s.add_argument("--kv-store", metavar="URL",
                    help="share prefix blocks with other replicas through Redis: redis://host:port/db")
     s.add_argument("--kv-store-retry", type=float, default=30.0, metavar="SECONDS",
