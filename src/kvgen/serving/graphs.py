@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.cache.paged import BlockRows, PagedAttentionCache
+from kvgen.serving.blocks import table_rows
 from kvgen.models.decode_blocks import eager_blocks
 
 
@@ -71,10 +72,10 @@ class DecodeGraphs:
         self.positions[:size].copy_(torch.tensor([position for position, _, _ in rows] + [0] * pad))
         for kind in self.cache.kinds:
             tables = [by_kind[kind] for _, _, by_kind in rows]
-            width = max(map(len, tables))
+            rows_tensor = table_rows(tables)  # (n, width)
             buffer = self.tables[kind]
-            buffer[:n, :width].copy_(torch.tensor([t + [-1] * (width - len(t)) for t in tables]))  # (n, width)
-            buffer[:n, width:] = -1
+            buffer[:n, :rows_tensor.shape[1]].copy_(rows_tensor)
+            buffer[:n, rows_tensor.shape[1]:] = -1
             buffer[n:size].copy_(self.idle)
             slots = [t[p // block] * block + p % block for t, (p, _, _) in zip(tables, rows)]
             self.slots[kind][:size].copy_(torch.tensor(slots + [self.cache.spare_slot] * pad))

@@ -20,11 +20,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from kvgen.cache.paged import BlockRows, PagedAttentionCache
 from kvgen.models.decode_blocks import eager_blocks
 from kvgen.grammar import Grammars, Masks
+from kvgen.serving.blocks import table_rows
 from kvgen.serving.graphs import DecodeGraphs
 from kvgen.serving.sampler import prompt_logprobs, sample
 from kvgen.serving.scheduler import Sequence
@@ -109,20 +109,16 @@ class ModelRunner:
         positions = torch.cat([torch.arange(start, end) for start, end, _ in plan.spans])  # (T,)
         steps = {}
         for kind in self.cache.kinds:
-            tables = [torch.tensor(tables[kind], dtype=torch.long) for _, _, tables in plan.spans]
-            slots = torch.cat([(table[:, None] * size + torch.arange(size)).flatten()[start:end]
-                               for table, (start, end, _) in zip(tables, plan.spans)])  # (T,) where each goes
+            tables = table_rows([by_kind[kind] for _, _, by_kind in plan.spans])  # (S, W): -1 past each end
+            blocks = (tables[:, :, None] * size + torch.arange(size)).flatten(1)  # (S, W * size): each position's slot
+            slots = torch.cat([blocks[i, start:end] for i, (start, end, _) in enumerate(plan.spans)])  # (T,)
             if self.cache.block_sparse:  # attention reads each row's blocks (kvgen.masks.paged_block_mask)
-                rows = BlockRows(row_seq.to(device), positions.to(device),
-                                 pad_sequence(tables, batch_first=True, padding_value=-1).to(device))  # (S, W)
-                steps[kind] = (slots.to(device), rows)
+                steps[kind] = (slots.to(device), BlockRows(row_seq.to(device), positions.to(device), tables.to(device)))
                 continue
-            used = size * (1 + max(int(table.max()) for table in tables))
-            key_positions = torch.full((len(plan.spans), used), -1, dtype=torch.long)  # (sequences, used slots)
-            for i, (table, (_, end, _)) in enumerate(zip(tables, plan.spans)):
-                seq_slots = (table[:, None] * size + torch.arange(size)).flatten()[:end]  # slot of each position
-                live = table.repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window are gone
-                key_positions[i, seq_slots[live]] = torch.arange(end)[live]
+            key_positions = torch.full((len(plan.spans), size * (1 + int(tables.max()))), -1)  # (S, used slots)
+            for i, (_, end, _) in enumerate(plan.spans):
+                live = tables[i].repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window are gone
+                key_positions[i, blocks[i, :end][live]] = torch.arange(end)[live]
             steps[kind] = (slots.to(device), key_positions[row_seq].to(device))  # (T,), (T, used)
         self.cache.begin_step(steps)
         positions = positions.to(device)
