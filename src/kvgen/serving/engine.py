@@ -234,7 +234,7 @@ class ContinuousBatchingManager:
         """Queue a request; returns its id. Settings left ``None`` come from the manager's generation config.
 
         ``frequency_penalty``, ``presence_penalty`` (-2 to 2) and ``logit_bias`` (token id -> -100 to 100) act as
-        OpenAI's, ``repetition_penalty`` as vLLM's (:func:`kvgen.serving.sampler.adjusted`), on greedy and sampled
+        OpenAI's, ``repetition_penalty`` as vLLM's (:class:`kvgen.serving.sampler.Penalties`), on greedy and sampled
         choices alike; ``min_p`` as vLLM's. ``prompt_logprobs=k``
         (0-20) scores the prompt too: each prompt token's log-probability given the tokens before it (None for the
         first) and its ``k`` likeliest alternatives, in the outputs' ``prompt_logprobs`` and ``prompt_top_logprobs``

@@ -39,7 +39,11 @@ def sample(seqs: list[Sequence], raw: torch.Tensor,
         row = raw[i]  # (V,)
         if bits is not None:  # the chosen token is allowed, so its logit stays as the model gave it
             mask_refused_(row, bits)
-        scores = adjusted(params, seq.prompt, seq.generated, row)
+        scores = row
+        if changes_logits(params):
+            if seq.penalties is None:
+                seq.penalties = Penalties(params, seq.prompt, row)
+            scores = seq.penalties(row, seq.generated)
         tokens[i] = draw(seq, scores) if params.do_sample else scores.argmax()
     return fetch(raw, tokens, totals, top, tops)
 
@@ -92,30 +96,43 @@ def draw(seq: Sequence, scores: torch.Tensor) -> torch.Tensor:
     return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=seq.generator).view(())
 
 
-def adjusted(params: SamplingParams, prompt: list[int], generated: list[int], raw: torch.Tensor) -> torch.Tensor:
-    """The logits (V,) with the penalties and bias: first vLLM's (and transformers') ``repetition_penalty`` of
-    every token in the prompt or the reply (positive logits divided by it, negative ones multiplied), then
-    OpenAI's ``- frequency_penalty * count - presence_penalty * (count > 0) + logit_bias``, ``count`` each token's
-    occurrences in the reply (not the prompt).
+class Penalties:
+    """A request's penalties and bias, kept on the logits' device: first vLLM's (and transformers')
+    ``repetition_penalty`` of every token in the prompt or the reply (positive logits divided by it, negative ones
+    multiplied), then OpenAI's ``- frequency_penalty * count - presence_penalty * (count > 0) + logit_bias``,
+    ``count`` each token's occurrences in the reply (not the prompt). The prompt and the bias go to the device once;
+    each step adds the reply's new tokens to the counts there, so a penalised row sends nothing to the device.
 
     Example:
-        >>> adjusted(SamplingParams(presence_penalty=1.0, logit_bias={0: -5.0}), [1], [2, 2], torch.zeros(4)).tolist()
+        >>> penalties = Penalties(SamplingParams(presence_penalty=1.0, logit_bias={0: -5.0}), [1], torch.zeros(4))
+        >>> penalties(torch.zeros(4), [2, 2]).tolist()
         [-5.0, 0.0, -1.0, 0.0]
     """
-    if not changes_logits(params):
-        return raw
-    scores = raw.clone()
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt) | set(generated)), device=raw.device)
-        values = scores[seen]
-        scores[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
-    if generated and (params.frequency_penalty or params.presence_penalty):
-        counts = torch.bincount(torch.tensor(generated, device=raw.device), minlength=raw.numel())  # (V,)
-        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=raw.device)
-        scores[ids] += torch.tensor(list(params.logit_bias.values()), dtype=scores.dtype, device=raw.device)
-    return scores
+
+    def __init__(self, params: SamplingParams, prompt: list[int], like: torch.Tensor):
+        self.params, self.counted = params, 0
+        self.counts = torch.zeros_like(like, dtype=torch.float32)  # (V,) the reply's tokens
+        self.seen = torch.zeros_like(like, dtype=torch.bool)  # (V,) the prompt's and the reply's tokens
+        self.seen[torch.tensor(prompt, dtype=torch.long, device=like.device)] = True
+        bias = params.logit_bias
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long, device=like.device)
+        self.bias = torch.tensor(list(bias.values()), dtype=torch.float32, device=like.device)
+
+    def __call__(self, raw: torch.Tensor, generated: list[int]) -> torch.Tensor:
+        """The logits (V,) float32 penalised after the reply so far, ``generated``."""
+        for token in generated[self.counted:]:
+            self.counts[token] += 1
+            self.seen[token] = True
+        self.counted = len(generated)
+        params, scores = self.params, raw.clone()
+        if params.repetition_penalty != 1.0:
+            penalty = params.repetition_penalty
+            scores = torch.where(self.seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
+        if params.frequency_penalty or params.presence_penalty:
+            scores -= params.frequency_penalty * self.counts + params.presence_penalty * (self.counts > 0)
+        if len(self.bias_ids):
+            scores[self.bias_ids] += self.bias
+        return scores
 
 
 def _warpers(params: SamplingParams):

@@ -93,6 +93,7 @@ class Sequence:
     prompt_top_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length"
     generator: torch.Generator | None = None
+    penalties: Any = None  # its kvgen.serving.sampler.Penalties, on the logits' device, from its first step
     arrival: int = field(default_factory=lambda: next(_arrivals))
     preemptions: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache at admission
