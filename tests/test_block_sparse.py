@@ -185,3 +185,11 @@ def test_compiled_flex_attention_reads_only_the_listed_blocks():
     expected = torch.stack([torch.nn.functional.scaled_dot_product_attention(
         q[:, :, i:i + 1], k[:, :, allowed[i]], v[:, :, allowed[i]], enable_gqa=True)[:, :, 0] for i in range(3)], 2)
     assert (compiled - expected).abs().max() < 1e-5 and (eager - expected).abs().max() < 1e-5
+
+
+def test_a_torch_without_block_masks_from_key_blocks_is_told_what_to_do(monkeypatch):
+    import kvgen.cache.paged as paged
+
+    monkeypatch.setattr(paged, "BLOCK_MASKS", False)
+    with pytest.raises(ValueError, match="needs torch 2.9 or later .* block_sparse=False"):
+        PagedAttentionCache(transformers.LlamaConfig(**BASE), num_blocks=4, block_sparse=True)

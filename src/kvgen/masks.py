@@ -9,6 +9,8 @@ from the same rule.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
@@ -91,6 +93,8 @@ def check_padding_mask(padding_mask: torch.Tensor, needed: int) -> None:
 
 
 Q_BLOCK = 16  # query rows per row block of a block-sparse mask: flex_attention's smallest tile
+#: whether this torch builds block masks from given key blocks alone (``compute_q_blocks``: torch 2.9 on)
+BLOCK_MASKS = "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 def paged_block_mask(row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch.Tensor, block_size: int,

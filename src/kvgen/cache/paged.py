@@ -31,7 +31,7 @@ import torch
 
 from kvgen.cache.base import Cache, CacheLayer, config_value, text_config
 from kvgen.cache.precision import kv_dtype, store, stored_dim
-from kvgen.masks import paged_block_mask
+from kvgen.masks import BLOCK_MASKS, paged_block_mask
 
 _UNITS = {"": 1, "b": 1, "k": 2 ** 10, "m": 2 ** 20, "g": 2 ** 30}
 
@@ -203,6 +203,9 @@ class PagedAttentionCache(Cache):
                 f"a KV cache budget of {max_memory!r} holds no block: one block of {block_size} tokens takes "
                 f"{self.bytes_per_block} bytes for this model ({len(kinds)} layers x {kv_heads} kv heads x "
                 f"{block_size} tokens x {width * dtype.itemsize} bytes x keys and values); raise the budget")
+        if block_sparse and not BLOCK_MASKS:
+            raise ValueError(f"block-sparse attention needs torch 2.9 or later (this is {torch.__version__}): "
+                             "upgrade torch, or make the cache with block_sparse=False")
         self.num_blocks, self.block_sparse = num_blocks, block_sparse
         self.kinds = tuple(dict.fromkeys(kinds))
         self.spare_slot = num_blocks * block_size  # (block_sparse pools only)

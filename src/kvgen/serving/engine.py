@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from kvgen.cache.paged import PagedAttentionCache
 from kvgen.generation.config import GenerationConfig
+from kvgen.masks import BLOCK_MASKS
 from kvgen.models.linear import pack_weights
 from kvgen.serving.blocks import BlockPool
 from kvgen.grammar import Grammars
@@ -98,7 +99,7 @@ class ContinuousBatchingConfig:
     2.9x faster, 64 rows 1.8x (SmolLM2-135M, AMD EPYC Zen 4), for a second copy of those weights.
     ``block_sparse``: attention reads only each sequence's blocks, through flex_attention
     (:func:`kvgen.masks.paged_block_mask`); else a mask over every slot in use, which the CPU's attention kernel
-    skips tile by tile. None: block-sparse on a GPU.
+    skips tile by tile. None: block-sparse on a GPU (with torch 2.9 or later).
     ``decode_graphs``: decode steps (one token per sequence) replay CUDA graphs captured per padded batch size at
     start (:mod:`kvgen.serving.graphs`; a block-sparse pool); on a CPU, the same static buffers run eagerly.
     None: on a GPU, for a block-sparse pool and a model on one device.
@@ -149,10 +150,12 @@ class ContinuousBatchingManager:
         self.generation_config = (generation_config or model.generation_config).copy().fill_unset(
             model.generation_config).fill_unset()
         sparse = self.config.block_sparse
+        if sparse is None:  # a GPU's way, where torch builds the masks
+            sparse = model.device.type == "cuda" and BLOCK_MASKS
         self.cache = PagedAttentionCache(model.config, num_blocks=self.config.num_blocks,
                                          block_size=self.config.block_size, max_memory=self.config.max_memory,
                                          device=model.device, dtype=self.config.kv_dtype or model.dtype,
-                                         block_sparse=model.device.type == "cuda" if sparse is None else sparse)
+                                         block_sparse=sparse)
         windows = {"full_attention": None, "sliding_attention": model.config.get("sliding_window")}
         self.pools = {kind: (BlockPool(self.cache.num_blocks, self.config.block_size), windows[kind])
                       for kind in self.cache.kinds}
