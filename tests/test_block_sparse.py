@@ -83,7 +83,7 @@ def serve(model, prompts, block_sparse: bool, decode_graphs: bool = False, runs:
     manager = model.init_continuous_batching(continuous_batching_config=config)
     if runs is not None:  # the sizes of the decode steps the graphs ran
         run = manager.runner.graphs.run
-        manager.runner.graphs.run = lambda rows: runs.append(len(rows)) or run(rows)
+        manager.runner.graphs.run = lambda ids, *rest: runs.append(len(ids)) or run(ids, *rest)
     ids = [manager.add_request(p, max_new_tokens=10, eos_token_id=[], top_logprobs=2) for p in prompts]
     with manager:
         return [manager.get_result(i, timeout=120) for i in ids]

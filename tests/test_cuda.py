@@ -272,7 +272,7 @@ def engine_outputs(model, prompts, **config):
     runs = []
     if manager.runner.graphs is not None:
         run = manager.runner.graphs.run
-        manager.runner.graphs.run = lambda rows: runs.append(len(rows)) or run(rows)
+        manager.runner.graphs.run = lambda ids, *rest: runs.append(len(ids)) or run(ids, *rest)
     ids = [manager.add_request(p, max_new_tokens=12, eos_token_id=[], top_logprobs=1) for p in prompts]
     with manager:
         outputs = [manager.get_result(i, timeout=300) for i in ids]

@@ -10,7 +10,8 @@ same buffers run eagerly: the eager twin that the CPU tests compare with the run
 
 Example:
     >>> graphs = DecodeGraphs(model, cache, max_num_seqs=64, max_blocks=128)           # doctest: +SKIP
-    >>> logits = graphs.run([(17, 1234, {"full_attention": [3, 9]})])  # (position, token, tables)  # doctest: +SKIP
+    >>> logits = graphs.run([1234], torch.tensor([17]), {"full_attention": torch.tensor([[3, 9]])},
+    ...                     {"full_attention": torch.tensor([145])})                          # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from kvgen.cache.paged import BlockRows, PagedAttentionCache
-from kvgen.serving.blocks import table_rows
 from kvgen.models.decode_blocks import eager_blocks
 
 
@@ -59,26 +59,25 @@ class DecodeGraphs:
         if capture:
             self._capture()
 
-    def run(self, rows: list[tuple[int, int, dict[str, list[int]]]]) -> torch.Tensor | None:
-        """The logits (n, V) of one token per sequence: ``(position, token, tables)`` each, ``tables`` the block
-        table of each layer kind; None where they do not fit (more rows than the largest size, or a wider table):
-        then the caller runs the step itself."""
-        n = len(rows)
+    def run(self, ids: list[int], positions: torch.Tensor, tables: dict[str, torch.Tensor],
+            slots: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The logits (n, V) of one token per sequence: ``ids`` (n), their ``positions`` (n,), and per layer kind
+        the sequences' block tables (n, W) and the tokens' slots (n,), as the runner lays them out; None where they
+        do not fit (more rows than the largest size, or a wider table): then the caller runs the step itself."""
+        n = len(ids)
         size = next((s for s in self.sizes if s >= n), None)
-        if size is None or any(len(t) > self.max_blocks for _, _, tables in rows for t in tables.values()):
+        if size is None or any(t.shape[1] > self.max_blocks for t in tables.values()):
             return None
-        block, pad = self.cache.block_size, size - n
-        self.ids[:size].copy_(torch.tensor([token for _, token, _ in rows] + [0] * pad))
-        self.positions[:size].copy_(torch.tensor([position for position, _, _ in rows] + [0] * pad))
+        self.ids[:n].copy_(torch.tensor(ids))
+        self.positions[:n].copy_(positions)
+        self.ids[n:size], self.positions[n:size] = 0, 0  # padded rows: token 0 at position 0 ...
         for kind in self.cache.kinds:
-            tables = [by_kind[kind] for _, _, by_kind in rows]
-            rows_tensor = table_rows(tables)  # (n, width)
-            buffer = self.tables[kind]
-            buffer[:n, :rows_tensor.shape[1]].copy_(rows_tensor)
-            buffer[:n, rows_tensor.shape[1]:] = -1
-            buffer[n:size].copy_(self.idle)
-            slots = [t[p // block] * block + p % block for t, (p, _, _) in zip(tables, rows)]
-            self.slots[kind][:size].copy_(torch.tensor(slots + [self.cache.spare_slot] * pad))
+            buffer, width = self.tables[kind], tables[kind].shape[1]
+            buffer[:n, :width].copy_(tables[kind])
+            buffer[:n, width:] = -1
+            buffer[n:size].copy_(self.idle)  # ... reading the spare block alone,
+            self.slots[kind][:n].copy_(slots[kind])
+            self.slots[kind][n:size] = self.cache.spare_slot  # and writing its first slot
         if size in self.graphs:
             self.graphs[size].replay()
             return self.out[:n]

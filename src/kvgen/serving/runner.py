@@ -99,29 +99,30 @@ class ModelRunner:
     def forward(self, plan: Plan) -> torch.Tensor:
         """The kept rows' logits (kept, V) of ``plan``'s tokens, the cache told where each goes and which positions
         each row sees."""
-        if self.graphs is not None and len(plan.ids) == len(plan.spans) == len(plan.keep):  # a decode step
-            rows = [(start, token, tables) for (start, _, tables), token in zip(plan.spans, plan.ids)]
-            logits = self.graphs.run(rows)
-            if logits is not None:
-                return logits
         size, device = self.cache.block_size, self.device
         row_seq = torch.tensor([i for i, (start, end, _) in enumerate(plan.spans) for _ in range(end - start)])
         positions = torch.cat([torch.arange(start, end) for start, end, _ in plan.spans])  # (T,)
-        steps = {}
+        tables, blocks = {}, {}
         for kind in self.cache.kinds:
-            tables = table_rows([by_kind[kind] for _, _, by_kind in plan.spans])  # (S, W): -1 past each end
-            blocks = (tables[:, :, None] * size + torch.arange(size)).flatten(1)  # (S, W * size): each position's slot
-            slots = torch.cat([blocks[i, start:end] for i, (start, end, _) in enumerate(plan.spans)])  # (T,)
+            tables[kind] = table_rows([by_kind[kind] for _, _, by_kind in plan.spans])  # (S, W): -1 past each end
+            blocks[kind] = (tables[kind][:, :, None] * size + torch.arange(size)).flatten(1)  # (S, W * size)
+        slots = {kind: blocks[kind][row_seq, positions] for kind in self.cache.kinds}  # (T,): where each token goes
+        if self.graphs is not None and len(plan.ids) == len(plan.spans) == len(plan.keep):  # a decode step
+            logits = self.graphs.run(plan.ids, positions, tables, slots)
+            if logits is not None:
+                return logits
+        steps, on_device = {}, (row_seq.to(device), positions.to(device))
+        for kind in self.cache.kinds:
             if self.cache.block_sparse:  # attention reads each row's blocks (kvgen.masks.paged_block_mask)
-                steps[kind] = (slots.to(device), BlockRows(row_seq.to(device), positions.to(device), tables.to(device)))
+                steps[kind] = (slots[kind].to(device), BlockRows(*on_device, tables[kind].to(device)))
                 continue
-            key_positions = torch.full((len(plan.spans), size * (1 + int(tables.max()))), -1)  # (S, used slots)
+            key_positions = torch.full((len(plan.spans), size * (1 + int(tables[kind].max()))), -1)  # (S, used)
             for i, (_, end, _) in enumerate(plan.spans):
-                live = tables[i].repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window are gone
-                key_positions[i, blocks[i, :end][live]] = torch.arange(end)[live]
-            steps[kind] = (slots.to(device), key_positions[row_seq].to(device))  # (T,), (T, used)
+                live = tables[kind][i].repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window
+                key_positions[i, blocks[kind][i, :end][live]] = torch.arange(end)[live]
+            steps[kind] = (slots[kind].to(device), key_positions[row_seq].to(device))  # (T,), (T, used)
         self.cache.begin_step(steps)
-        positions = positions.to(device)
+        positions = on_device[1]
         with eager_blocks():  # compiled blocks would compile a graph per batch size: seconds each
             return self.model(torch.tensor([plan.ids], device=device), position_ids=positions[None],
                               cache_position=positions, past_key_values=self.cache, use_cache=True,
