@@ -28,9 +28,8 @@ def sample(seqs: list[Sequence], raw: torch.Tensor,
     ``top_logprobs`` likeliest alternatives."""
     if not seqs:
         return []
-    totals = torch.logsumexp(raw, dim=-1)  # (n,): float32, ~1e-6 off float64's over 49k-262k tokens
     tops = [seq.params.top_logprobs for seq in seqs]
-    top = raw.topk(max(tops), dim=-1) if max(tops, default=0) else None  # before the grammars' masks
+    totals, top = normalized(raw, tops)  # before the grammars' masks
     tokens = raw.argmax(dim=-1)  # (n,): greedy, where nothing changes the logits
     for i, seq in enumerate(seqs):
         bits, params = allowed.get(id(seq)), seq.params
@@ -46,6 +45,12 @@ def sample(seqs: list[Sequence], raw: torch.Tensor,
             scores = seq.penalties(row, seq.generated)
         tokens[i] = draw(seq, scores) if params.do_sample else scores.argmax()
     return fetch(raw, tokens, totals, top, tops)
+
+
+def normalized(raw: torch.Tensor, tops: list[int]):
+    """The normalizers (n,) of raw logits (n, V) (torch's ``logsumexp`` in float32, ~1e-6 off float64's over
+    49k-262k tokens) and their ``topk`` of ``max(tops)`` (None for 0)."""
+    return torch.logsumexp(raw, dim=-1), raw.topk(max(tops), dim=-1) if max(tops) else None
 
 
 def fetch(raw: torch.Tensor, tokens: torch.Tensor, totals: torch.Tensor, top, tops: list[int]):
@@ -69,9 +74,7 @@ def prompt_logprobs(raw: torch.Tensor, tokens: list[int], tops: list[int]) -> li
     likeliest alternatives, in one transfer."""
     if not tokens:
         return []
-    totals = torch.logsumexp(raw, dim=-1)  # (n,)
-    top = raw.topk(max(tops), dim=-1) if max(tops) else None
-    scored = fetch(raw, torch.tensor(tokens, device=raw.device), totals, top, tops)
+    scored = fetch(raw, torch.tensor(tokens, device=raw.device), *normalized(raw, tops), tops)
     return [(logprob, alternatives) for _, logprob, alternatives in scored]
 
 
