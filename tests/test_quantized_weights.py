@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.constants import GGML_QUANT_SIZES
 
 import kvgen
-from kvgen.kernels import integer_dot_formats, integer_dot_instruction, kernels_available, unavailable_reason
+from kvgen.kernels import (integer_dot_formats, integer_dot_instruction, kernels_available, panel_rows,
+                           unavailable_reason)
 from kvgen.models.packed import TILED, TILED_HEADS, PackedWeight, dequantize_on_device, row_bytes, tile_rows, untile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from kvgen.models.weight_arena import WeightArena
@@ -359,14 +360,53 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
     if format not in integer_dot_formats():
         pytest.skip("no integer dot products for this format on this CPU: products in float32, tested above")
     x = torch.randn(35, 512, generator=torch.Generator().manual_seed(4)) * 3
-    many = torch.ops.kvgen.qmatmul(x, [data], [format])
-    few = torch.cat([torch.ops.kvgen.qmatmul(x[i:i + 8].contiguous(), [data], [format]) for i in range(0, 35, 8)])
-    assert torch.equal(many, few)
+
+    def product(first, end):
+        return torch.ops.kvgen.qmatmul(x[first:end].contiguous(), [data], [format])
+
+    many = product(0, 35)
+    few = torch.cat([product(i, i + 8) for i in range(0, 35, 8)])
     # one row at a time (a decode step's product: AVX2 has its own loops for Q4_K and Q6_K) gives the same bits
-    one = torch.cat([torch.ops.kvgen.qmatmul(x[i:i + 1].contiguous(), [data], [format]) for i in range(35)])
+    one = torch.cat([product(i, i + 1) for i in range(35)])
     assert torch.equal(one, few)
-    reference = x.double() @ rows.dequantize().double().T
-    assert ((many.double() - reference).abs() <= 1e-5 * (x.double().abs() @ rows.dequantize().double().abs().T)).all()
+    panel = panel_rows()
+    if panel:  # AVX2: from `panel` rows on, float32 panels, each row's sums in one order whatever the rows
+        assert 8 < panel <= 35 - panel
+        assert torch.equal(many, torch.cat([product(0, panel), product(panel, 35)]))
+    else:
+        assert torch.equal(many, few)
+    weight = rows.dequantize().double()
+    for out in (many, few):
+        assert ((out.double() - x.double() @ weight.T).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T)).all()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
+    """Where AVX2 runs without AVX-512 VNNI, products of ``panel_rows()`` input rows or more dequantize each tile of
+    16 weight rows once into float32 panels of 256 columns and multiply every row by them: the float32 products of the
+    dequantized weight (1e-5 of the sum of the terms' sizes), with a last panel of fewer columns (K = 17 blocks of 32,
+    or 3 of 256), two passes of rows (300 = 256 + 44), blocks of 6 rows and their remainders, and tiles split between
+    threads; each row the same bits however many rows come with it."""
+    panel = panel_rows()
+    if not panel:
+        pytest.skip("products take integer dot products at every row count on this CPU (tested above)")
+    k = 17 * 32 if GGML_QUANT_SIZES[qtype][0] == 32 else 3 * 256
+    rows = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(random_raw(qtype, 80, k))))], k)
+    ((format, data),) = tile_rows(rows).segments
+    x = torch.randn(300, k, generator=torch.Generator().manual_seed(5))
+    weight = rows.dequantize().double()
+    outs, before = {}, torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs[threads] = torch.ops.kvgen.qmatmul(x, [data], [format])
+    finally:
+        torch.set_num_threads(before)
+    out = outs[1]
+    assert torch.equal(out, outs[2])
+    assert ((out.double() - x.double() @ weight.T).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T)).all()
+    for first, end in ((0, panel), (7, 7 + panel + 5), (100, 300)):
+        assert torch.equal(torch.ops.kvgen.qmatmul(x[first:end].contiguous(), [data], [format]), out[first:end])
 
 
 @pytest.mark.parametrize("rows", [8, 16, 35, 64])

@@ -151,6 +151,14 @@ def integer_dot_instruction() -> str:
 
 
 @functools.cache
+def panel_rows() -> int:
+    """Input rows from which the integer dot formats' products dequantize each tile once into float32 panels and
+    multiply them by float32 multiply-adds (AVX2 without AVX-512 VNNI, where those share the pipes with vpmaddubsw and
+    three int8 levels cost more per row); 0 where they never do."""
+    return torch.ops.kvgen.panel_rows() if kernels_available() else 0
+
+
+@functools.cache
 def tile_formats() -> frozenset[int]:
     """Weight formats whose products of 16 rows or more take AMX's tile products on this CPU (Intel's AMX, with
     Linux's permission; ``KVGEN_DISABLE_AMX=1`` turns them off): the integer dot formats but Q6_K (the same sums, 16

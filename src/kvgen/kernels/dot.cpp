@@ -5,7 +5,8 @@
 // (formats 2000 + the format) put 16 rows' values in the lanes instead (matmul_tiles); with AVX-512 VNNI they take
 // integer dot products of their stored values with x rounded to 21 bits per block of 32 (matmul_tiles_dot); with
 // AMX, products of 16 rows or more take the same sums 16 x 16 at a time, and BF16 weights AMX's bfloat16 products
-// (amx.h).
+// (amx.h). With AVX2 alone, those of PANEL_ROWS rows or more dequantize each tile once into float32 panels
+// (panels2.h).
 #include "dot.h"
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 
 #include "amx.h"
 #include "dot2.h"
+#include "panels2.h"
 #include "formats.h"
 #include "parallel.h"
 #include "tiles.h"
@@ -262,6 +264,10 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
     // 4; 24 or 32 rows no faster); AVX2: 1-4 (16 registers)
     // over runs of tiles of ~256 kB, so that many rows (a prefill) read each run from L2, not memory
     // (with AMX: all but the last R % 16 rows in tiles of 16 by 16)
+#if defined(KVGEN_DOT2)
+    if (R >= PANEL_ROWS)
+      return matmul_tiles_panel<T>(x, ldx, R, w, (n0 + 15) / 16, (n1 + 15) / 16, K, y, ldy);
+#endif
     int64_t tile_unit_rows = 0;
 #if defined(KVGEN_AMX)
     if constexpr (takes_tile_unit<T>())
@@ -389,7 +395,11 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
       if constexpr (!has_dot<T>()) in.xsums[i] = group_sums<T>(xp, ldx, R, p.K);
     });
 #if defined(KVGEN_DOTS)
+#if defined(KVGEN_DOT2)
+  if (p.rounded && R < PANEL_ROWS) in.rx = round_x(xp, ldx, R, p.K, p.biased, 0);
+#else
   if (p.rounded) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
+#endif
 #endif
 #if defined(KVGEN_AMX_BF16)
   if (p.split && (in.split_rows = amx_rows(R)) > 0) in.parts = split_bf16(xp, ldx, in.split_rows, p.K);
@@ -437,6 +447,14 @@ std::string integer_dot_instruction() {
   return "vpmaddubsw";
 #else
   return "";
+#endif
+}
+
+int64_t panel_rows() {
+#if defined(KVGEN_DOT2)
+  return PANEL_ROWS;
+#else
+  return 0;
 #endif
 }
 
