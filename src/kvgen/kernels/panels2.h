@@ -58,8 +58,8 @@ inline void panel_block(const uint8_t* blk, float* panel) {
 // acc (RB rows of 16 lanes, Quads' order of rows, one after the other) = their sums so far (none where first) plus RB
 // input rows (ldx apart) times the panel's kc columns
 template <int RB>
-__attribute__((always_inline)) inline void panel_rows(const float* panel, int64_t kc, const float* x, int64_t ldx,
-                                                      float* acc, bool first) {
+__attribute__((always_inline)) inline void panel_product(const float* panel, int64_t kc, const float* x,
+                                                         int64_t ldx, float* acc, bool first) {
   __m256 a[RB][2];
   for (int r = 0; r < RB; ++r)
     for (int i = 0; i < 2; ++i) a[r][i] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + 16 * r + 8 * i);
@@ -104,12 +104,12 @@ __attribute__((noinline)) void matmul_tiles_panel(const float* x, int64_t ldx, i
           rb = left > 6 && left < 12 ? (left + 1) / 2 : std::min<int64_t>(6, left);
           const float* xr = x + (r0 + r) * ldx + b0 * QK;
           switch (rb) {
-            case 1: panel_rows<1>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            case 2: panel_rows<2>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            case 3: panel_rows<3>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            case 4: panel_rows<4>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            case 5: panel_rows<5>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            default: panel_rows<6>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
+            case 1: panel_product<1>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
+            case 2: panel_product<2>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
+            case 3: panel_product<3>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
+            case 4: panel_product<4>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
+            case 5: panel_product<5>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
+            default: panel_product<6>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
           }
         }
       }
