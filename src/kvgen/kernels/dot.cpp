@@ -17,8 +17,8 @@
 
 #include "amx.h"
 #include "dot2.h"
-#include "panels2.h"
 #include "formats.h"
+#include "panels2.h"
 #include "parallel.h"
 #include "tiles.h"
 
