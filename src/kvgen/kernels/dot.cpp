@@ -395,11 +395,8 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
       if constexpr (!has_dot<T>()) in.xsums[i] = group_sums<T>(xp, ldx, R, p.K);
     });
 #if defined(KVGEN_DOTS)
-#if defined(KVGEN_DOT2)
-  if (p.rounded && R < PANEL_ROWS) in.rx = round_x(xp, ldx, R, p.K, p.biased, 0);
-#else
-  if (p.rounded) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
-#endif
+  const bool panels = panel_rows() > 0 && R >= panel_rows();  // (AVX2's float32 panels take x as it is)
+  if (p.rounded && !panels) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
 #endif
 #if defined(KVGEN_AMX_BF16)
   if (p.split && (in.split_rows = amx_rows(R)) > 0) in.parts = split_bf16(xp, ldx, in.split_rows, p.K);
