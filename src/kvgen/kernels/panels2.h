@@ -55,14 +55,18 @@ inline void panel_block(const uint8_t* blk, float* panel) {
   }
 }
 
-// acc (RB rows of 16 lanes, Quads' order of rows, one after the other) = their sums so far (none where first) plus RB
-// input rows (ldx apart) times the panel's kc columns
+// acc (RB rows of 16 lanes, Quads' order of rows, one after the other) plus RB input rows (ldx apart) times the
+// panel's kc columns. Not inlined, and acc always loaded: inlined into the tile loop, or with its first columns' sums
+// started at zero by a select, GCC kept two of the 12 accumulators on the stack in the Q4_1 and Q6_K loops (a store
+// and reload each step: those formats ran at half the others' speed, AMD EPYC Zen 3)
 template <int RB>
-__attribute__((always_inline)) inline void panel_product(const float* panel, int64_t kc, const float* x,
-                                                         int64_t ldx, float* acc, bool first) {
+__attribute__((noinline)) void panel_product(const float* panel, int64_t kc, const float* x, int64_t ldx, float* acc) {
   __m256 a[RB][2];
-  for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < 2; ++i) a[r][i] = first ? _mm256_setzero_ps() : _mm256_load_ps(acc + 16 * r + 8 * i);
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r) {
+    a[r][0] = _mm256_load_ps(acc + 16 * r);
+    a[r][1] = _mm256_load_ps(acc + 16 * r + 8);
+  }
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 w0 = _mm256_load_ps(panel + 16 * k), w1 = _mm256_load_ps(panel + 16 * k + 8);
 #pragma GCC unroll 6
@@ -72,8 +76,11 @@ __attribute__((always_inline)) inline void panel_product(const float* panel, int
       a[r][1] = _mm256_fmadd_ps(w1, xb, a[r][1]);
     }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int i = 0; i < 2; ++i) _mm256_store_ps(acc + 16 * r + 8 * i, a[r][i]);
+#pragma GCC unroll 6
+  for (int r = 0; r < RB; ++r) {
+    _mm256_store_ps(acc + 16 * r, a[r][0]);
+    _mm256_store_ps(acc + 16 * r + 8, a[r][1]);
+  }
 }
 
 // input rows a pass: each tile's panels are decoded once a pass and its sums stay in L1 (16 kB)
@@ -93,6 +100,7 @@ __attribute__((noinline)) void matmul_tiles_panel(const float* x, int64_t ldx, i
   for (int64_t r0 = 0; r0 < R; r0 += PASS_ROWS) {
     const int64_t rows = std::min(PASS_ROWS, R - r0);
     for (int64_t t = t0; t < t1; ++t) {
+      std::fill(acc, acc + 16 * rows, 0.0f);
       for (int64_t b0 = 0; b0 < nb; b0 += BLOCKS) {
         const int64_t blocks = std::min(BLOCKS, nb - b0), kc = blocks * QK;
         const uint8_t* tile = w + t * nb * TB + b0 * TB;
@@ -104,12 +112,12 @@ __attribute__((noinline)) void matmul_tiles_panel(const float* x, int64_t ldx, i
           rb = left > 6 && left < 12 ? (left + 1) / 2 : std::min<int64_t>(6, left);
           const float* xr = x + (r0 + r) * ldx + b0 * QK;
           switch (rb) {
-            case 1: panel_product<1>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            case 2: panel_product<2>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            case 3: panel_product<3>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            case 4: panel_product<4>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            case 5: panel_product<5>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
-            default: panel_product<6>(panel, kc, xr, ldx, acc + 16 * r, b0 == 0); break;
+            case 1: panel_product<1>(panel, kc, xr, ldx, acc + 16 * r); break;
+            case 2: panel_product<2>(panel, kc, xr, ldx, acc + 16 * r); break;
+            case 3: panel_product<3>(panel, kc, xr, ldx, acc + 16 * r); break;
+            case 4: panel_product<4>(panel, kc, xr, ldx, acc + 16 * r); break;
+            case 5: panel_product<5>(panel, kc, xr, ldx, acc + 16 * r); break;
+            default: panel_product<6>(panel, kc, xr, ldx, acc + 16 * r); break;
           }
         }
       }
