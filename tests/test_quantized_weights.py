@@ -386,12 +386,14 @@ def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
     16 weight rows once into float32 panels of 256 columns and multiply every row by them: the float32 products of the
     dequantized weight (1e-5 of the sum of the terms' sizes), with a last panel of fewer columns (K = 17 blocks of 32,
     or 3 of 256), two passes of rows (300 = 256 + 44), blocks of 6 rows and their remainders, and tiles split between
-    threads; each row the same bits however many rows come with it."""
+    threads; each row the same bits however many rows come with it. A prefill's products take them too (no
+    dequantized copy of the weight)."""
     panel = panel_rows()
     if not panel:
         pytest.skip("products take integer dot products at every row count on this CPU (tested above)")
     k = 17 * 32 if GGML_QUANT_SIZES[qtype][0] == 32 else 3 * 256
     rows = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(random_raw(qtype, 80, k))))], k)
+    assert QuantizedLinear(tile_rows(rows)).takes_qmatmul(2048)
     ((format, data),) = tile_rows(rows).segments
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(5))
     weight = rows.dequantize().double()

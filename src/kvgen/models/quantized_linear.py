@@ -10,7 +10,8 @@ thread than widening every value to float32; so do kvgen's int8 and int4 weights
 alone, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K and Q8_0 tiles take the same sums by vpmaddubsw (Zen 3: 1.0-1.6x at 1 and 4
 rows) for up to 15 rows; from :func:`~kvgen.kernels.panel_rows` (16) rows on, each tile is dequantized once into
 float32 panels multiplied by float32 multiply-adds, which share vpmaddubsw's two pipes on Zen 3 (16 rows 1.15-1.45x,
-64 rows 1.3-1.75x the integer sums over SmolLM2's and Qwen2.5's layers, 2 threads). Where the CPU has AMX (Intel's
+64 rows 1.3-1.75x the integer sums over SmolLM2's and Qwen2.5's layers, 2 threads), prefills included (1.1-1.6x
+dequantize + oneDNN at 128-512 rows: :func:`any_rows_formats`). Where the CPU has AMX (Intel's
 tile unit), products of 16 rows or more take the same integer sums 16 input rows by 16 weight rows per instruction,
 the same bits, and BF16 weights take AMX's bfloat16 products with the rows split exactly into three bfloat16 parts
 (:func:`~kvgen.kernels.tile_formats`).
@@ -33,15 +34,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvgen.kernels import integer_dot_formats, integer_dot_instruction, tile_formats
+from kvgen.kernels import integer_dot_formats, integer_dot_instruction, panel_rows, tile_formats
 from kvgen.models.linear import matmul
 from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows, untile_rows
 
 #: most rows the one-pass product takes; more are dequantized and multiplied by the float32 matmul.
 #: Over SmolLM2's and Gemma 3's layers (AMD EPYC Zen 4, 2 threads) the one-pass product was faster up to
-#: 64-128 rows with AVX-512 (8 rows a pass over the weight). With AVX2's integer tiles (AMD EPYC Zen 3, 2 threads,
-#: every decoder product of SmolLM2's Q4_1, Qwen2.5-Coder-0.5B's Q5_0/Q8_0/Q4_K/Q6_K and a Qwen2.5-1.5B Q4_K_M):
-#: 1.4-1.6x faster at 64 rows, even at 128 (0.92-1.09x), slower at 256 (0.82-0.92x)
+#: 64-128 rows with AVX-512 (8 rows a pass over the weight). (AVX2's integer tiles take their float32 panels at any
+#: number of rows: :func:`any_rows_formats`.)
 QMATMUL_ROWS = 64
 
 @functools.cache
@@ -51,11 +51,14 @@ def any_rows_formats() -> frozenset[int]:
     GFLOP/s against 185-198 for dequantize + oneDNN), except Q6_K's (groups of 16 values: 145) and kvgen's
     int8 and int4 tiles (a Xeon with AMX, 2 threads, 3072 x 576 at 512 rows: 263-302 against 324-358;
     SmolLM2 in int8, prefill of 512 tokens: 858-914 tok/s against 982-1018). With AMX's tile products
-    (:func:`~kvgen.kernels.tile_formats`): every integer dot format but Q6_K, and BF16. AVX2's vpmaddubsw products,
-    two products a lane where vpdpbusd takes four, lose at 512 rows (AMD EPYC Zen 3, Qwen2.5-1.5B's Q4_K and Q6_K
-    layers: 46-69 GFLOP/s against 69-100 for dequantize + oneDNN, 2 threads): none."""
+    (:func:`~kvgen.kernels.tile_formats`): every integer dot format but Q6_K, and BF16. With AVX2 alone, every
+    format of its integer tiles: their float32 panels (:func:`~kvgen.kernels.panel_rows`) need no dequantized copy
+    of the weight (AMD EPYC Zen 3, SmolLM2's, Qwen2.5-Coder-0.5B's and a Qwen2.5-1.5B's layers: 1.1-1.6x dequantize
+    + oneDNN at 128-512 rows, even at 1,024-2,048; prefill of 512 tokens 1.03-1.35x)."""
     if tile_formats():  # (Q6_K keeps vpdpbusd: 142-221 GFLOP/s at 512 rows against 263-295 for dequantize + oneDNN)
         return tile_formats()
+    if panel_rows() > 0:
+        return integer_dot_formats()
     if integer_dot_instruction() != "vpdpbusd":
         return frozenset()
     return integer_dot_formats() - {2014, 3008, 3032, 3064, 3128}
