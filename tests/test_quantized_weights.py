@@ -393,8 +393,9 @@ def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
         pytest.skip("products take integer dot products at every row count on this CPU (tested above)")
     k = 17 * 32 if GGML_QUANT_SIZES[qtype][0] == 32 else 3 * 256
     rows = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(random_raw(qtype, 80, k))))], k)
-    assert QuantizedLinear(tile_rows(rows)).takes_qmatmul(2048)
-    ((format, data),) = tile_rows(rows).segments
+    tiled = tile_rows(rows)
+    assert QuantizedLinear(tiled).takes_qmatmul(2048)
+    ((format, data),) = tiled.segments
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(5))
     weight = rows.dequantize().double()
     outs, before = {}, torch.get_num_threads()
