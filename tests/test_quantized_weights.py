@@ -596,14 +596,22 @@ def check_fused_decode_layers(model, tokenizer, monkeypatch):
 def check_fused_prefill(model, monkeypatch) -> None:
     """A 100-token prefill runs the fused attention inputs and MLP halves where every product they hold takes
     kvgen::qmatmul at that many rows (with AVX-512 VNNI: the tiled GGUF formats but Q6_K; elsewhere none),
-    with the modules' bits."""
+    with the modules' bits; so does a 37-token one after it, its MLP in the 100 rows' scratch (kept by the op)."""
     from kvgen.models import native
     from kvgen.models.quantized_linear import any_rows_formats
 
     one_pass = lambda *linears: all(any_rows_formats().issuperset(p.formats) for p in linears)  # noqa: E731
     expected = sum(one_pass(layer.self_attn.qkv_proj) + one_pass(layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                                                  layer.mlp.down_proj) for layer in model.model.layers)
-    ids = torch.randint(100, 20000, (1, 100), generator=torch.Generator().manual_seed(3))
+    for length in (100, 37):
+        ids = torch.randint(100, 20000, (1, length), generator=torch.Generator().manual_seed(3))
+        check_fused_prompt(model, monkeypatch, ids, expected)
+
+
+def check_fused_prompt(model, monkeypatch, ids, expected) -> None:
+    """check_fused_prefill for one prompt (expected: the fused calls)."""
+    from kvgen.models import native
+
     results = []
     for fused in (True, False):
         calls = []

@@ -269,6 +269,21 @@ MlpWeights mlp_weights(at::TensorList o, at::IntArrayRef o_formats, const c10::o
   return w;
 }
 
+// decoder_mlp's scratch of n floats: the calling thread's last one while it is large enough, at most 4x n and at
+// most 256 MB, so that the layers of one forward share it (a smaller call, such as the next decode step, lets a
+// prefill's go). Fresh at every layer, a 512-token prefill's (58 MB on Llama 3.2 1B, above glibc's mmap threshold)
+// was mapped and page-faulted in anew each time, ~4% of the prefill in the kernel: sharing it made prefills of 512
+// tokens 1.03-1.17x faster (Llama 3.2 1B, Qwen2.5-0.5B and 1.5B, 1 and 2 threads, AMD EPYC Zen 3, one process)
+at::Tensor mlp_scratch(int64_t n) {
+  constexpr int64_t KEPT_MAX = 64 << 20;  // floats
+  thread_local at::Tensor kept;
+  if (kept.defined() && kept.numel() >= n && kept.numel() <= 4 * n) return kept;
+  kept = at::Tensor();  // (freed before a larger one is taken)
+  at::Tensor scratch = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+  if (n <= KEPT_MAX) kept = scratch;
+  return scratch;
+}
+
 // h = x + post_attention(attn @ o^T); out = h + post_feedforward((act(g) * u) @ down^T) with
 // [g, u] = pre_feedforward(h) @ gate_up^T. act: 0 SiLU, 1 GELU (tanh). The post norms are Gemma's
 // sandwich norms (absent for Llama); every norm scales by weight + offset (Gemma: 1). x (B, T,
@@ -285,7 +300,7 @@ at::Tensor decoder_mlp_op(const at::Tensor& x, const at::Tensor& attn, at::Tenso
   const MlpWeights w = mlp_weights(o, o_formats, post_attention, pre_feedforward, post_feedforward, gate_up,
                                    gate_up_formats, down, down_formats, act, attn.size(-1), hidden, eps, offset);
   const at::Tensor xc = x.contiguous(), ac = attn.contiguous();
-  at::Tensor scratch = at::empty({mlp_scratch_floats(w, R)}, x.options()), out = at::empty(x.sizes(), x.options());
+  const at::Tensor scratch = mlp_scratch(mlp_scratch_floats(w, R)), out = at::empty(x.sizes(), x.options());
   decoder_mlp(w, xc.data_ptr<float>(), ac.data_ptr<float>(), R, scratch.data_ptr<float>(), out.data_ptr<float>());
   return out;
 }
