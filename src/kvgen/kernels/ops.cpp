@@ -278,7 +278,7 @@ at::Tensor mlp_scratch(int64_t n) {
   constexpr int64_t KEPT_MAX = 64 << 20;  // floats
   thread_local at::Tensor kept;
   if (kept.defined() && kept.numel() >= n && kept.numel() <= 4 * n) return kept;
-  kept = at::Tensor();  // (freed before a larger one is taken)
+  kept = at::Tensor();  // (the old one freed before the new one is taken)
   at::Tensor scratch = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
   if (n <= KEPT_MAX) kept = scratch;
   return scratch;
