@@ -17,7 +17,7 @@ namespace kvgen {
 #if defined(KVGEN_DOT2)
 // input rows from which the tiles' products take float32 panels instead of the integer sums (AMD EPYC Zen 3, every
 // layer's copy, 1 / 2 threads, at 10 rows: SmolLM2's Q4_1 1.08-1.19x, its Q8_0 1.35x, Qwen2.5's Q5_0 1.16-1.20x,
-// Q6_K 1.40x, Q4_K 1.23-1.29x)
+// Q6_K 1.40x, Q4_K 1.23-1.29x; at 8 rows SmolLM2's Q4_1 0.78-0.89x)
 constexpr int64_t PANEL_ROWS = 10;
 // columns of a panel: 256 x 16 float32 (16 kB) stay in L1 beside the input rows' share
 constexpr int64_t PANEL_COLUMNS = 256;
