@@ -412,6 +412,30 @@ def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
         assert torch.equal(torch.ops.kvgen.qmatmul(x[first:end].contiguous(), [data], [format]), out[first:end])
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_threads_claim_every_piece_of_a_products_rows(qtype):
+    """A product's output rows go in pieces of whole tiles that the threads claim in turn (a thread on a busier core
+    takes fewer): over 1,040 weight rows (10-13 pieces, the last one short), a decode step's input row and a prefill's
+    12 give every output row at 2 threads, the same bits as at 1, each within the float32 bound of the dequantized
+    product."""
+    rows = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(random_raw(qtype, 1040, 256))))], 256)
+    ((format, data),) = tile_rows(rows).segments
+    weight = rows.dequantize().double()
+    before = torch.get_num_threads()
+    for inputs in (1, 12):
+        x = torch.randn(inputs, 256, generator=torch.Generator().manual_seed(inputs))
+        outs = {}
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                outs[threads] = torch.ops.kvgen.qmatmul(x, [data], [format])
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(outs[1], outs[2])
+        bound = 1e-5 * (x.double().abs() @ weight.abs().T)
+        assert ((outs[2].double() - x.double() @ weight.T).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("rows", [8, 16, 35, 64])
 def test_bf16_products_keep_every_bit_of_the_input(rows):
     """BF16 weights times 16 rows or more take AMX's bfloat16 products where the CPU has them, with the input rows

@@ -79,6 +79,10 @@ void product_rows(const Product& p, const ProductInput& in, int64_t n0, int64_t 
 // output rows per parallel task: enough that a task streams a few kB of weights
 int64_t product_grain(const Product& p);
 
+// the output rows each of `threads` threads claims at a time, in turn until none is left (whole tiles, ~8 pieces a
+// thread, at least product_grain): a thread that runs slower (a VM's busier core) takes fewer
+int64_t product_piece(const Product& p, int64_t threads);
+
 // y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel
 void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp);
 

@@ -269,14 +269,13 @@ void decoder_layers(const Stack& w, const float* x0, int64_t B, int64_t T, const
       float *const xn = x + R * hidden, *const h = xn + R * hidden, *const m = h + R * hidden;
       std::memcpy(x, x0, R * hidden * sizeof(float));
       Scratch scratch_rows(RMAX, D);
-      // pieces of rows 0 .. N - 1 (whole tiles, ~8 a thread) taken in turn until none is left: a thread that runs
-      // slower (a VM's busier core) takes fewer. Split evenly in advance, the other thread of a 2-core Zen 3 VM
-      // waited 14% of a Qwen2.5-0.5B decode step at the barriers
+      // pieces of rows 0 .. N - 1 taken in turn until none is left (product_piece). Split evenly in advance, the
+      // other thread of a 2-core Zen 3 VM waited 14% of a Qwen2.5-0.5B decode step at the barriers
       int64_t products = 0;
       auto product = [&](const Product& p, const float* in, int64_t ldx, float* y) {
         const ProductInput rows = product_input(p, in, ldx, R);
         std::atomic<int64_t>& next = claimed[products++];
-        const int64_t piece = std::max(product_grain(p), (p.N + 8 * n - 1) / (8 * n) + 15) / 16 * 16;
+        const int64_t piece = product_piece(p, n);
         for (int64_t n0; (n0 = next.fetch_add(piece, std::memory_order_relaxed)) < p.N;)
           product_rows(p, rows, n0, std::min(p.N, n0 + piece), y);
       };
