@@ -380,6 +380,18 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
         assert ((out.double() - x.double() @ weight.T).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T)).all()
 
 
+def products_at_1_and_2_threads(x, data, format) -> dict[int, torch.Tensor]:
+    """``qmatmul``'s products of ``x`` with one tiled weight at 1 and at 2 threads, by thread count."""
+    outs, before = {}, torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs[threads] = torch.ops.kvgen.qmatmul(x, [data], [format])
+    finally:
+        torch.set_num_threads(before)
+    return outs
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
 def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
     """Where AVX2 runs without AVX-512 VNNI, products of ``panel_rows()`` input rows or more dequantize each tile of
@@ -398,13 +410,7 @@ def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
     ((format, data),) = tiled.segments
     x = torch.randn(300, k, generator=torch.Generator().manual_seed(5))
     weight = rows.dequantize().double()
-    outs, before = {}, torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            outs[threads] = torch.ops.kvgen.qmatmul(x, [data], [format])
-    finally:
-        torch.set_num_threads(before)
+    outs = products_at_1_and_2_threads(x, data, format)
     out = outs[1]
     assert torch.equal(out, outs[2])
     assert ((out.double() - x.double() @ weight.T).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T)).all()
@@ -421,16 +427,9 @@ def test_threads_claim_every_piece_of_a_products_rows(qtype):
     rows = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(random_raw(qtype, 1040, 256))))], 256)
     ((format, data),) = tile_rows(rows).segments
     weight = rows.dequantize().double()
-    before = torch.get_num_threads()
     for inputs in (1, 12):
         x = torch.randn(inputs, 256, generator=torch.Generator().manual_seed(inputs))
-        outs = {}
-        try:
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                outs[threads] = torch.ops.kvgen.qmatmul(x, [data], [format])
-        finally:
-            torch.set_num_threads(before)
+        outs = products_at_1_and_2_threads(x, data, format)
         assert torch.equal(outs[1], outs[2])
         bound = 1e-5 * (x.double().abs() @ weight.abs().T)
         assert ((outs[2].double() - x.double() @ weight.T).abs() <= bound).all()
