@@ -419,11 +419,10 @@ def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
-def test_threads_claim_every_piece_of_a_products_rows(qtype):
-    """A product's output rows go in pieces of whole tiles that the threads claim in turn (a thread on a busier core
-    takes fewer): over 1,040 weight rows (10-13 pieces, the last one short), a decode step's input row and a prefill's
-    12 give every output row at 2 threads, the same bits as at 1, each within the float32 bound of the dequantized
-    product."""
+def test_two_threads_give_every_row_of_a_product(qtype):
+    """A product's output rows are split between the threads: over 1,040 weight rows (65 tiles, an odd count), a
+    decode step's input row and a prefill's 12 give every output row at 2 threads, the same bits as at 1, each within
+    the float32 bound of the dequantized product."""
     rows = PackedWeight([(int(qtype), torch.from_numpy(np.ascontiguousarray(random_raw(qtype, 1040, 256))))], 256)
     ((format, data),) = tile_rows(rows).segments
     weight = rows.dequantize().double()

@@ -10,7 +10,6 @@
 #include "dot.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -426,20 +425,13 @@ int64_t product_piece(const Product& p, int64_t threads) {
   return std::max(product_grain(p), (p.N + 8 * threads - 1) / (8 * threads) + 15) / 16 * 16;
 }
 
-// y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel: pieces claimed in turn, as
-// the decode stack's products (split evenly in advance, Qwen2.5-1.5B's Q6_K output head and ffn_down ran 1.13x / 1.10x
-// slower at 2 threads on a busy 2-core Zen 3 VM, `kernels_ab.py`; whole decode steps and 512-token prefills 0.99-1.01x
-// when it was quiet)
+// y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel, split evenly in advance.
+// Pieces claimed in turn, as the decode stack's products take them, measured and not taken: Qwen2.5-1.5B's Q6_K output
+// head and ffn_down alone 1.13x / 1.10x at 2 threads on a busy 2-core Zen 3 VM (`kernels_ab.py`), but whole decode
+// steps and prefills 0.98-1.01x in one process when it was quiet (SmolLM2, Coder-0.5B, Qwen2.5-1.5B)
 void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp) {
   const ProductInput in = product_input(p, xp, ldx, R);
-  const int64_t grain = product_grain(p), threads = std::min(num_threads(), (p.N + grain - 1) / grain);
-  if (threads <= 1) return product_rows(p, in, 0, p.N, yp);
-  const int64_t piece = product_piece(p, threads);
-  std::atomic<int64_t> next{0};
-  parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t n0; (n0 = next.fetch_add(piece, std::memory_order_relaxed)) < p.N;)
-      product_rows(p, in, n0, std::min(p.N, n0 + piece), yp);
-  });
+  parallel_for(0, p.N, product_grain(p), [&](int64_t n0, int64_t n1) { product_rows(p, in, n0, n1, yp); });
 }
 
 std::vector<int64_t> integer_dot_formats() {
