@@ -618,7 +618,8 @@ def check_fused_decode_layers(model, tokenizer, monkeypatch):
 def check_fused_prefill(model, monkeypatch) -> None:
     """A 100-token prefill runs the fused attention inputs and MLP halves where every product they hold takes
     kvgen::qmatmul at that many rows (with AVX-512 VNNI: the tiled GGUF formats but Q6_K; with AVX2's float32 panels:
-    every tiled format; elsewhere none), with the modules' bits; so does a 37-token one after it, its MLP in the 100 rows' scratch (kept by the op)."""
+    every tiled format; elsewhere none), with the modules' bits; so does a 37-token one after it, its MLP in the 100
+    rows' scratch (kept by the op)."""
     from kvgen.models import native
     from kvgen.models.quantized_linear import any_rows_formats
 
