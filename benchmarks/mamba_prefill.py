@@ -1,4 +1,4 @@
-"""Mamba prefill: kvgen's chunked selective scan beside transformers' CPU path, in one process.
+"""Mamba prefill: kvgen's C++ selective scan beside transformers' CPU path, in one process.
 
 A mamba-130m-shaped model (d_model 768, 24 layers, d_state 16, expand 2, conv 4, vocab
 50280) with random weights is built by transformers, saved, and loaded by kvgen. Both
@@ -9,7 +9,7 @@ medians is the number to read. The logits and every layer's conv and SSM state a
 compared (max abs difference).
 
 Without the ``mamba_ssm``/``causal_conv1d`` CUDA kernels, transformers scans with a
-per-token Python loop. kvgen scans in chunks (``kvgen.models.selective_scan``). Both
+per-token Python loop. kvgen scans with its C++ kernel (``kvgen.models.selective_scan``). Both
 run the same projections (about 15 GFLOP per layer at 2048 tokens), which bound what
 any scan can save: the script also times those matrix products alone (``gemm_s``), and
 ``speedup_bound_from_gemm`` is transformers' time over theirs. The load average before

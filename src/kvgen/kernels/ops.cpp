@@ -20,6 +20,7 @@
 #include "layer.h"
 #include "parallel.h"
 #include "sampling.h"
+#include "ssm.h"
 
 namespace kvgen {
 namespace {
@@ -522,6 +523,29 @@ void mask_refused_op(at::Tensor& logits, const at::Tensor& allowed) {
   for (int64_t r = 0; r < R; ++r) mask_refused(rows + r * stride, V, words + r * W);
 }
 
+// Mamba's selective scan over T tokens (ssm.h): state (B, D, N) before them, dt (after softplus) and x (B, T, D), A
+// (D, N), B and C (B, T, N), float32 -> y (B, T, D) = C_t . h_t and the state after the last token (B, D, N)
+std::tuple<at::Tensor, at::Tensor> selective_scan_op(const at::Tensor& state, const at::Tensor& dt, const at::Tensor& x,
+                                                     const at::Tensor& A, const at::Tensor& B, const at::Tensor& C) {
+  for (const at::Tensor* t : {&state, &dt, &x, &A, &B, &C})
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "kvgen: selective_scan takes float32 tensors");
+  TORCH_CHECK(dt.dim() == 3 && x.sizes() == dt.sizes(), "kvgen: selective_scan's dt and x are (batch, T, D) alike");
+  const int64_t batch = dt.size(0), T = dt.size(1), D = dt.size(2);
+  TORCH_CHECK(A.dim() == 2 && A.size(0) == D, "kvgen: selective_scan's A is (D, N), D = ", D);
+  const int64_t N = A.size(1);
+  TORCH_CHECK(state.dim() == 3 && state.size(0) == batch && state.size(1) == D && state.size(2) == N,
+              "kvgen: selective_scan's state is (batch, D, N) = (", batch, ", ", D, ", ", N, ")");
+  for (const at::Tensor* t : {&B, &C})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == batch && t->size(1) == T && t->size(2) == N,
+                "kvgen: selective_scan's B and C are (batch, T, N) = (", batch, ", ", T, ", ", N, ")");
+  at::Tensor h = state.contiguous().clone(), y = at::empty({batch, T, D}, dt.options());
+  const at::Tensor dtc = dt.contiguous(), xc = x.contiguous(), Ac = A.contiguous(), Bc = B.contiguous(),
+                   Cc = C.contiguous();
+  selective_scan(h.data_ptr<float>(), dtc.data_ptr<float>(), xc.data_ptr<float>(), Ac.data_ptr<float>(),
+                 Bc.data_ptr<float>(), Cc.data_ptr<float>(), batch, T, D, N, y.data_ptr<float>());
+  return {y, h};
+}
+
 }  // namespace
 }  // namespace kvgen
 
@@ -546,6 +570,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("gated_activation(Tensor gate_up, int act) -> Tensor");
   m.def("mask_refused_(Tensor(a!) logits, Tensor allowed) -> ()");
   m.def("kv_store_(Tensor(a!) buffer, Tensor index, Tensor x) -> ()");
+  m.def("selective_scan(Tensor state, Tensor dt, Tensor x, Tensor A, Tensor B, Tensor C) -> (Tensor, Tensor)");
   m.def("decoder_stack(float[] scales, float[] softcaps, Tensor[] input_norms, Tensor?[] q_norms, "
         "Tensor?[] k_norms, Tensor[] qkv, int[] qkv_formats, int[] qkv_counts, Tensor[] o, int[] o_formats, "
         "int[] o_counts, Tensor?[] post_attention, Tensor[] pre_feedforward, Tensor?[] post_feedforward, "
@@ -571,4 +596,5 @@ TORCH_LIBRARY_IMPL(kvgen, CPU, m) {
   m.impl("gated_activation", kvgen::gated_activation_op);
   m.impl("mask_refused_", kvgen::mask_refused_op);
   m.impl("kv_store_", kvgen::kv_store_op);
+  m.impl("selective_scan", kvgen::selective_scan_op);
 }

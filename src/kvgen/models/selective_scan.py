@@ -4,19 +4,12 @@ Per channel ``d`` and state ``n`` (``A < 0``, ``dt > 0``), with the state ``h``:
 
     h_t = a_t h_{t-1} + u_t,   a_t = exp(dt_t A),   u_t = dt_t x_t B_t,   y_t = C_t . h_t
 
-Decoding takes one step at a time (:func:`selective_step`). A prompt is scanned in
-chunks of :data:`CHUNK` tokens, with a Python loop over chunks only:
-
-* prompts of :data:`COMPILE_MIN_TOKENS` tokens or more run each chunk as one
-  ``torch.compile``'d kernel: the gated recurrence over the chunk's tokens, which
-  inductor fuses so that ``a``, ``u`` and ``h`` stay in registers and only the inputs
-  and ``y`` touch memory;
-* shorter prompts, and any prompt without compilation (``KVGEN_DISABLE_COMPILE=1``,
-  ``generate(disable_compile=True)``, no C++ compiler, autograd on), take a blocked
-  parallel scan in plain tensor operations
-  (:func:`selective_scan`): inside blocks of :data:`BLOCK` tokens the pairs ``(a, u)``
-  are composed position by position, vectorised over every block, channel and state;
-  then one step per block adds the state the block starts from.
+Decoding takes one step at a time (:func:`selective_step`). A prompt on the CPU takes kvgen's C++
+scan (``kvgen::selective_scan``: each channel's states walked token after token, 16 channels
+at a time, exp vectorised over the states); elsewhere (a GPU, autograd on, no C++ compiler),
+a blocked parallel scan in plain tensor operations (:func:`selective_scan`): inside blocks of
+:data:`BLOCK` tokens the pairs ``(a, u)`` are composed position by position, vectorised over
+every block, channel and state; then one step per block adds the state the block starts from.
 
 Both only multiply decays in ``(0, 1]`` and add (no division by a decay that could
 underflow), so they are stable for any ``dt`` and agree with the token-by-token
@@ -26,17 +19,11 @@ projections produce them.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 
-from kvgen.models.decode_blocks import blocks_compiled
+from kvgen.kernels import kernels_available
 
-#: tokens per compiled chunk (the prompt is padded to a multiple with tokens that leave the state as is)
-CHUNK = 32
-#: shorter prompts take the eager scan: compiling (seconds, once per process) pays off on long prompts only
-COMPILE_MIN_TOKENS = 128
 #: tokens per block of the eager blocked scan, and tokens per segment it materialises at once
 BLOCK, SEGMENT = 16, 256
 
@@ -64,30 +51,24 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def selective_ssm(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                  D: torch.Tensor, z: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor | None,
-                  compiled: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  D: torch.Tensor, z: torch.Tensor, dt_bias: torch.Tensor,
+                  state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The SSM of a Mamba mixer over T new tokens, gated: ``y_t = (C_t . h_t + D x_t) * silu(z_t)``.
 
     ``x``, ``dt`` (before ``dt_bias`` and softplus) and ``z`` are (B, T, D); ``A`` is (D, N);
     ``B``, ``C`` are (B, T, N); ``state`` is (B, D, N) or ``None`` (zeros). Runs in float32;
     returns ``y`` (B, T, D) and the state after the last token (B, D, N). One token takes
-    a recurrence step, more the chunked scan (``compiled``: force or avoid the compiled
-    chunks; default: for prompts of :data:`COMPILE_MIN_TOKENS` tokens or more, when usable).
+    a recurrence step, more the C++ scan on the CPU (else the blocked scan).
     """
     x, dt, z, B, C = x.float(), dt.float(), z.float(), B.float(), C.float()
     if state is None:
         state = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
-    if compiled is None:
-        compiled = x.shape[1] >= COMPILE_MIN_TOKENS and _compile_usable()
-    if compiled and x.shape[1] > 1:
-        try:
-            return _scan_compiled(state, x, dt, z, A, B, C, D.detach().float(), dt_bias.detach().float())
-        except Exception as error:  # e.g. no C++ compiler: fall back for good, as decode blocks do
-            _disable_compile(error)
     dt = F.softplus(dt + dt_bias.float())  # (B, T, D)
     if x.shape[1] == 1:
         y, state = selective_step(state, dt[:, 0], dt[:, 0] * x[:, 0], A, B[:, 0], C[:, 0])
         y = y[:, None]
+    elif x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and kernels_available():
+        y, state = torch.ops.kvgen.selective_scan(state.float(), dt, x, A.float(), B, C)
     else:
         y, state = selective_scan(state, dt, x, A, B, C)
     return (y + x * D.float()) * F.silu(z), state
@@ -127,63 +108,3 @@ def selective_scan(state: torch.Tensor, dt: torch.Tensor, x: torch.Tensor, A: to
         y = u.view(batch, blocks * BLOCK, d, n) @ C_s[..., None]  # (B, T', D, 1)
         ys.append(y[:, :length, :, 0])
     return torch.cat(ys, dim=1), h.clone()  # (a copy: a view would keep the whole segment alive in the cache)
-
-
-def _sequential_chunk(h, x, dt, z, A, B, C, D, dt_bias):
-    """The gated SSM over one chunk (B, CHUNK, ...), token by token; only ever run compiled (one fused kernel)."""
-    ys = []
-    for i in range(x.shape[1]):
-        step = F.softplus(dt[:, i] + dt_bias)  # (B, D)
-        h = h * torch.exp(step[..., None] * A) + (step * x[:, i])[..., None] * B[:, i, None, :]  # (B, D, N)
-        ys.append(((h * C[:, i, None, :]).sum(-1) + D * x[:, i]) * F.silu(z[:, i]))  # (B, D)
-    return torch.stack(ys, dim=1), h
-
-
-def _scan_compiled(h, x, dt, z, A, B, C, D, dt_bias):
-    t = x.shape[1]
-    if t % CHUNK:  # padded tokens (dt = -inf: softplus 0) leave the state as is; their outputs are dropped
-        pad = (0, 0, 0, -t % CHUNK)
-        x, z, B, C = (F.pad(v, pad) for v in (x, z, B, C))
-        dt = F.pad(dt, pad, value=float("-inf"))
-    x, dt, z, B, C = (v.contiguous() for v in (x, dt, z, B, C))
-    # The compiled graph is specialised to its inputs' layout: chunks of a single sequence are contiguous
-    # views (no copy), chunks of a batch are copied to fresh tensors; either way every chunk looks alike.
-    chunk_fn, ys = _compiled_chunk(), []
-    h, A, D, dt_bias = (_fresh(v) for v in (h, A, D, dt_bias))
-    for start in range(0, x.shape[1], CHUNK):
-        x_c, dt_c, z_c, B_c, C_c = (v[:, start:start + CHUNK] for v in (x, dt, z, B, C))
-        if x.shape[0] > 1:
-            x_c, dt_c, z_c, B_c, C_c = (_fresh(v) for v in (x_c, dt_c, z_c, B_c, C_c))
-        y, h = chunk_fn(h, x_c, dt_c, z_c, A, B_c, C_c, D, dt_bias)
-        ys.append(y)
-    return torch.cat(ys, dim=1)[:, :t], h
-
-
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-_compiled_fn = None
-_compile_failed = False
-
-
-def _compile_usable() -> bool:
-    return (not _compile_failed and blocks_compiled() and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling())
-
-
-def _compiled_chunk():
-    global _compiled_fn
-    if _compiled_fn is None:
-        # One thread: a chunk is a small job (~0.5 ms), and an OpenMP fork/join per chunk stalls whenever the
-        # other core is busy. On this shared 2-core host a 2-thread kernel made an 8-layer prefill 11-21 s where
-        # this one takes 6-8 s (transformers: 8-10 s); on an idle host 2 threads save ~25 ms per layer.
-        _compiled_fn = torch.compile(_sequential_chunk, fullgraph=True, dynamic=True, options={"cpp.threads": 1})
-    return _compiled_fn
-
-
-def _disable_compile(error: Exception) -> None:
-    global _compile_failed
-    _compile_failed = True
-    warnings.warn(f"the compiled selective scan failed ({type(error).__name__}: {error}); Mamba prompts now use "
-                  "the eager blocked scan (set KVGEN_DISABLE_COMPILE=1 to skip compilation)")
