@@ -18,6 +18,7 @@ from torch import nn
 
 from kvgen.config import PretrainedConfig
 from kvgen.models.base import LayerMasks, PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
+from kvgen.models.linear import Linear
 from kvgen.models.llama import ACTIVATIONS, RMSNorm
 from kvgen.models.mamba import MambaMixer, padding_of_new_tokens
 from kvgen.models.sdpa import scaled_dot_product_attention
@@ -62,10 +63,10 @@ class JambaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                                             config.head_dim)
-        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x, masks: LayerMasks, cache, cache_position):
         b, t, _ = x.shape
@@ -82,9 +83,9 @@ class JambaAttention(nn.Module):
 class JambaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.act = ACTIVATIONS[config.hidden_act]
 
     def forward(self, x):
@@ -107,7 +108,7 @@ class JambaSparseMoe(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.router = Linear(config.hidden_size, config.num_experts, bias=False)
         self.experts = JambaExperts(config)
         self.act = ACTIVATIONS[config.hidden_act]
 
@@ -174,7 +175,7 @@ class JambaForCausalLM(PreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.model = JambaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self):

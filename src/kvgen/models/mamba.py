@@ -19,6 +19,7 @@ from torch import nn
 from kvgen.cache.dynamic import as_cache
 from kvgen.config import PretrainedConfig
 from kvgen.models.base import PreTrainedModel, finish_cache, keep_logit_rows, prepare_decoder_inputs
+from kvgen.models.linear import Linear, matmul
 from kvgen.models.llama import ACTIVATIONS, RMSNorm
 from kvgen.models.selective_scan import causal_conv, selective_ssm
 from kvgen.outputs import CausalLMOutputWithPast
@@ -64,14 +65,14 @@ class MambaMixer(nn.Module):
                  conv_bias: bool, proj_bias: bool, act: str):
         super().__init__()
         self.layer_idx, self.d_state, self.dt_rank = layer_idx, d_state, dt_rank
-        self.in_proj = nn.Linear(hidden_size, 2 * d_inner, bias=proj_bias)
+        self.in_proj = Linear(hidden_size, 2 * d_inner, bias=proj_bias)
         # depthwise causal convolution: the module holds the weights, causal_conv runs it (with the cached inputs)
         self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1, bias=conv_bias)
-        self.x_proj = nn.Linear(d_inner, dt_rank + 2 * d_state, bias=False)
-        self.dt_proj = nn.Linear(dt_rank, d_inner, bias=True)
+        self.x_proj = Linear(d_inner, dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = Linear(dt_rank, d_inner, bias=True)
         self.A_log = nn.Parameter(torch.zeros(d_inner, d_state))
         self.D = nn.Parameter(torch.ones(d_inner))
-        self.out_proj = nn.Linear(d_inner, hidden_size, bias=proj_bias)
+        self.out_proj = Linear(d_inner, hidden_size, bias=proj_bias)
         self.act = ACTIVATIONS[act]
 
     def ssm_inputs(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,7 +91,7 @@ class MambaMixer(nn.Module):
         if padding is not None:
             x = x * padding
         dt, B, C = self.ssm_inputs(self.x_proj(x))
-        dt = F.linear(dt, self.dt_proj.weight)  # (B, T, d_inner); its bias is added in float32 by the scan
+        dt = matmul(dt, self.dt_proj.weight)  # (B, T, d_inner); its bias is added in float32 by the scan
         A = -torch.exp(self.A_log.float())  # (d_inner, N)
         y, ssm_state = selective_ssm(x, dt, A, B, C, self.D, z, self.dt_proj.bias, ssm_state)
         if cache is not None:
@@ -142,7 +143,7 @@ class MambaForCausalLM(PreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         self.backbone = MambaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self):
