@@ -1,9 +1,9 @@
 """Mamba (state-spaces/mamba-*-hf checkpoints): a stack of selective state-space mixers, no attention.
 
 Each layer keeps a fixed-size state in the cache (its conv inputs and SSM state, see
-:mod:`kvgen.cache.ssm`), so decoding costs the same at every length. A prompt runs
-through the chunked parallel scan of :mod:`kvgen.models.selective_scan`; each decoded
-token takes one recurrence step. Padding (a 0 in ``attention_mask``) is zeroed before
+:mod:`kvgen.cache.ssm`), so decoding costs the same at every length. Prompts and decoded
+tokens run through the selective scan of :mod:`kvgen.models.selective_scan` (kvgen's C++
+scan on the CPU). Padding (a 0 in ``attention_mask``) is zeroed before
 the projection and after the convolution, as transformers does, so left-padded
 sequences start from a clean state.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvgen.cache.dynamic import as_cache
