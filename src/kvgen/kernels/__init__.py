@@ -15,7 +15,7 @@ The sources are split by idea, as llama.cpp's CPU backend is:
 * ``attention.h``, ``attention.cpp``: attention over dense and paged keys and values, read as stored;
 * ``layer.h``, ``layer.cpp``: norms, rotary, the gated MLP, a decode step's stack of layers;
 * ``sampling.h``, ``sampling.cpp``: a grammar's bitmask of allowed tokens applied to logits;
-* ``ssm.h``, ``ssm.cpp``: the selective scan of Mamba's mixers over a prompt;
+* ``ssm.h``, ``ssm.cpp``: the selective scan of Mamba's mixers;
 * ``ops.cpp``: the torch ops (``torch.ops.kvgen.*``), the only file that knows torch's tensors.
 
 The library is compiled for this CPU (``-march=native``) into ``~/.cache/kvgen/kernels/``,

@@ -1,5 +1,5 @@
 // The selective scan of ssm.h: each task takes a run of channels of one batch row (a native register's: 8 with AVX2,
-// 16 with AVX-512; 16 lanes through GCC's vector extension ran 2.3x slower on AVX2) and walks the tokens once, the
+// 16 with AVX-512; 16 lanes through GCC's vector extension ran 2.5x slower on AVX2) and walks the tokens once, the
 // run's states as N registers' worth (in L1), so that each token's step is vertical arithmetic over the run's
 // channels: a = exp(dt A[:, n]), h[n] = h[n] * a + (dt x) B_t[n], y += h[n] C_t[n], with B_t[n] and C_t[n] broadcast
 // and no sum across lanes. The order of kvgen.models.selective_scan.selective_step's operations (its C . h summed in

@@ -1,4 +1,4 @@
-// The selective scan of Mamba's mixers (kvgen.models.selective_scan): a prompt's state recurrence, token after token.
+// The selective scan of Mamba's mixers (kvgen.models.selective_scan): the state recurrence, token after token.
 //
 // Example (ops.cpp's kvgen::selective_scan): y (batch, T, D) and the state after the last token, in place
 //     selective_scan(h, dt, x, A, B, C, batch, T, D, N, y);
