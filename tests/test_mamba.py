@@ -90,12 +90,12 @@ def naive_ssm(state, x, dt, z, A, B, C, D, dt_bias):
 @pytest.mark.parametrize("length,n", [(1, 4), (5, 4), (70, 16), (300, 19)])
 @torch.no_grad()
 def test_scan_matches_token_by_token_recurrence(native, length, n, monkeypatch):
-    """Both scans of a prompt (and a decode step's) against the recurrence in float64: 24 channels (a run of 16 and
-    8 more), 4, 16 and 19 states (8 at a time, the rest one by one)."""
-    import kvgen.models.selective_scan as scan
+    """Both scans of a prompt (and a decode step's) against the recurrence in float64: 24 channels (the C++ scan's
+    runs of a register's channels: three of 8 with AVX2, 16 and a padded 8 with AVX-512), 4, 16 and 19 states."""
+    from kvgen.models import native as fused_ops
 
-    if not native:
-        monkeypatch.setattr(scan, "kernels_available", lambda: False)
+    if not native:  # the scan takes kvgen's C++ op where native._native says the kernels apply
+        monkeypatch.setattr(fused_ops, "kernels_available", lambda: False)
     elif not kernels_available():  # only where there is no compiler: a build error in kvgen's source fails
         assert "no C++ compiler" in unavailable_reason(), unavailable_reason()
         pytest.skip("no C++ compiler to build kvgen's kernels")

@@ -538,7 +538,7 @@ std::tuple<at::Tensor, at::Tensor> selective_scan_op(const at::Tensor& state, co
   for (const at::Tensor* t : {&B, &C})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == batch && t->size(1) == T && t->size(2) == N,
                 "kvgen: selective_scan's B and C are (batch, T, N) = (", batch, ", ", T, ", ", N, ")");
-  at::Tensor h = state.contiguous().clone(), y = at::empty({batch, T, D}, dt.options());
+  at::Tensor h = state.clone(at::MemoryFormat::Contiguous), y = at::empty({batch, T, D}, dt.options());
   const at::Tensor dtc = dt.contiguous(), xc = x.contiguous(), Ac = A.contiguous(), Bc = B.contiguous(),
                    Cc = C.contiguous();
   selective_scan(h.data_ptr<float>(), dtc.data_ptr<float>(), xc.data_ptr<float>(), Ac.data_ptr<float>(),

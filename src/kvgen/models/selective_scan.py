@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvgen.kernels import kernels_available
+from kvgen.models.native import _native
 
 #: tokens per block of the eager blocked scan, and tokens per segment it materialises at once
 BLOCK, SEGMENT = 16, 256
@@ -66,7 +66,7 @@ def selective_ssm(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.T
     if state is None:
         state = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
     dt = F.softplus(dt + dt_bias.float())  # (B, T, D)
-    if x.is_cpu and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and kernels_available():
+    if _native(x, None):  # (x is float32 by now)
         y, state = torch.ops.kvgen.selective_scan(state.float(), dt, x, A.float(), B, C)
     elif x.shape[1] == 1:
         y, state = selective_step(state, dt[:, 0], dt[:, 0] * x[:, 0], A, B[:, 0], C[:, 0])
