@@ -27,6 +27,8 @@ Q4_K_M or Q8_0 by ``llama-quantize`` (``qwen2.5-1.5b:q4_k_m``; ``model_files.py`
 ``--baseline SRC`` adds a third side: the kvgen of another source tree (a ``git worktree`` of main), whose worker
 runs in each round beside this one's, so a change is measured before and after in one run (``baseline_ratio``).
 ``--reps`` sets the timed repetitions (3, as llama-bench's ``-r 3``; 1 for the 7-8B models' long prefills).
+``KVGEN_PREFILL_INPUTS=int16`` in the environment has kvgen's workers prefill Q4_K on 16-bit inputs (AVX2; each
+row records its ``prefill_inputs``).
 
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
 plus the keys and values attended to) over the rate at which the worker reads a buffer of as many
@@ -157,6 +159,7 @@ def kvgen_worker(model: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     from kvgen import AutoModelForCausalLM, DynamicCache
     from kvgen.bench import peak_rss_mb
+    from kvgen.kernels import prefill_inputs
 
     start = time.perf_counter()
     m = AutoModelForCausalLM.from_pretrained(model)
@@ -165,7 +168,8 @@ def kvgen_worker(model: str, threads: int) -> dict:
     load = time.perf_counter() - start
     vocab = m.config.vocab_size
     ids = torch.randint(100, min(vocab, 30000), (1, PROMPT), generator=torch.Generator().manual_seed(0))
-    result = {"weight_format": m.weight_format, "decode_tok_s": {}, "step_bytes": {}, "load_s": load}
+    result = {"weight_format": m.weight_format, "prefill_inputs": prefill_inputs(), "decode_tok_s": {},
+              "step_bytes": {}, "load_s": load}
     weights = sum(b.numel() * b.element_size() for b in m.buffers() if b.dtype == torch.uint8) + \
         sum(p.numel() * p.element_size() for p in m.parameters())  # bytes a decode step streams
     with torch.no_grad():

@@ -334,6 +334,53 @@ def test_embedding_rows_of_tiled_and_untiled_tables(qtype):
 DOT_WEIGHTS = {**{q.name: q for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.Q6_K)}, **LOAD_TIME}
 
 
+def _rounded16(x: torch.Tensor) -> torch.Tensor:
+    """x (rows, K) as AVX2's Q4_K prefill products take it under KVGEN_PREFILL_INPUTS=int16: in each window of 64
+    values, the column of the largest magnitude over all rows exact, the window's other values rounded to int16 on
+    the scale of their largest (float32 arithmetic, ties to even)."""
+    rows, k = x.shape
+    w = x.reshape(rows, k // 64, 64)
+    exact = torch.zeros(k // 64, 64, dtype=torch.bool)
+    exact[torch.arange(k // 64), w.abs().amax(0).argmax(-1)] = True
+    top = w.abs().masked_fill(exact, 0.0).amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.tensor(0.0))
+    return torch.where(exact, w, torch.round(w * inv) * (top / 32767.0)).reshape(rows, k)
+
+
+def test_q4_k_prefill_products_take_16_bit_inputs_when_asked(monkeypatch):
+    """KVGEN_PREFILL_INPUTS=int16: where products of panel_rows() input rows or more take float32 panels (AVX2
+    without AVX-512 VNNI), Q4_K's take x rounded as _rounded16 says, exact but for float32 rounding (the int32 sums of
+    a window are exact: a few roundings a window, 1e-6 of the products' magnitude); elsewhere, and for fewer rows,
+    the variable changes no bit. A NaN input gives its row NaN and no other; other values are refused."""
+    rows = PackedWeight([(int(Q.Q4_K), torch.from_numpy(np.ascontiguousarray(random_raw(Q.Q4_K, 48, 512))))], 512)
+    ((format, data),) = tile_rows(rows).segments
+    weight = rows.dequantize().double()
+    generator = torch.Generator().manual_seed(7)
+    for count, scale in ((3, 1.0), (10, 1.0), (11, 1e-3), (64, 300.0)):
+        x = torch.randn(count, 512, generator=generator) * scale
+        x[:, 5] *= 50  # an outlier column
+        x[0, 64:128] = 0  # a window of zeros
+        x[1, 128:192] = 0
+        x[1, 130] = 2.0  # a window of one value
+        monkeypatch.delenv("KVGEN_PREFILL_INPUTS", raising=False)
+        exact = torch.ops.kvgen.qmatmul(x, [data], [format])
+        monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "int16")
+        got = torch.ops.kvgen.qmatmul(x, [data], [format])
+        if panel_rows() and count >= panel_rows() and format in integer_dot_formats():
+            taken = _rounded16(x).double()
+            magnitude = taken.abs() @ weight.abs().T
+            assert ((got.double() - taken @ weight.T).abs() <= 1e-6 * magnitude).all()
+            assert not ((exact.double() - taken @ weight.T).abs() <= 1e-6 * magnitude).all()  # x itself: farther
+        else:
+            assert torch.equal(got, exact)
+    x[3, 7] = float("nan")
+    y = torch.ops.kvgen.qmatmul(x, [data], [format])
+    assert y[3].isnan().all() and y[torch.arange(len(x)) != 3].isfinite().all()
+    monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "int8")
+    with pytest.raises(ValueError, match="KVGEN_PREFILL_INPUTS is 'int8'"):
+        kernels_available()
+
+
 def _amx_cpu() -> bool:
     flags = kvgen.kernels._cpu_flags()  # the flags line the kernels are built and keyed for
     return " amx_int8" in flags and " amx_tile" in flags and " avx512_vnni" in flags
@@ -690,7 +737,7 @@ def test_beam_search_forks_and_saved_caches_on_quantized_weights(smollm_pair, tm
                        quantized(torch.tensor([[42]]), past_key_values=cache).logits)
 
 
-def test_gemma3_quantized_matches_dequantized_on_a_long_prompt(gemma3_gguf):
+def test_gemma3_quantized_matches_dequantized_on_a_long_prompt(gemma3_gguf, monkeypatch):
     quantized = kvgen.AutoModelForCausalLM.from_pretrained(gemma3_gguf)
     reference = kvgen.AutoModelForCausalLM.from_pretrained(gemma3_gguf, dtype=torch.float32)
     tokenizer = kvgen.AutoTokenizer.from_pretrained(gemma3_gguf)
@@ -702,6 +749,11 @@ def test_gemma3_quantized_matches_dequantized_on_a_long_prompt(gemma3_gguf):
     assert worst < 1e-3, worst
     out = [m.generate(ids, max_new_tokens=20) for m in (quantized, reference)]
     assert torch.equal(out[0], out[1])
+    # prefills on 16-bit inputs where asked (AVX2): Gemma's residual stream has the largest outliers of the packaged
+    # models (7.1e-3 over 512 tokens of KJV; Qwen2.5-Coder-0.5B 7.2e-4), within the 1e-2 that prefills may take
+    monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "int16")
+    with torch.no_grad():
+        assert (quantized(ids).logits - reference(ids).logits).abs().max() < 1e-2
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "BF16"), (torch.float16, "F16")])

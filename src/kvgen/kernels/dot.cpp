@@ -10,6 +10,7 @@
 #include "dot.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -18,6 +19,7 @@
 #include "amx.h"
 #include "dot2.h"
 #include "formats.h"
+#include "panels16.h"
 #include "panels2.h"
 #include "parallel.h"
 #include "tiles.h"
@@ -265,6 +267,8 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
     // over runs of tiles of ~256 kB, so that many rows (a prefill) read each run from L2, not memory
     // (with AMX: all but the last R % 16 rows in tiles of 16 by 16)
 #if defined(KVGEN_DOT2)
+    if constexpr (std::is_same_v<T, Q4_Kx16>)
+      if (rx.x16.R == R) return matmul_q4k_i16(rx.x16, w, (n0 + 15) / 16, (n1 + 15) / 16, y, ldy);
     if (R >= PANEL_ROWS)
       return matmul_tiles_panel<T>(x, ldx, R, w, (n0 + 15) / 16, (n1 + 15) / 16, K, y, ldy);
 #endif
@@ -387,6 +391,14 @@ Product make_product(std::vector<Product::Segment> segments, int64_t K) {
   return p;
 }
 
+#if defined(KVGEN_DOT2)
+// KVGEN_PREFILL_INPUTS=int16, read at each product (kvgen.kernels checks its value when it loads the kernels)
+bool int16_prefill_inputs() {
+  const char* v = std::getenv("KVGEN_PREFILL_INPUTS");
+  return v != nullptr && std::strcmp(v, "int16") == 0;
+}
+#endif
+
 ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R) {
   ProductInput in{xp, ldx, R, std::vector<std::vector<float>>(p.segments.size()), {}};
   for (size_t i = 0; i < p.segments.size(); ++i)
@@ -397,6 +409,11 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
 #if defined(KVGEN_DOTS)
   const bool panels = panel_rows() > 0 && R >= panel_rows();  // (AVX2's float32 panels take x as it is)
   if (p.rounded && !panels) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
+#endif
+#if defined(KVGEN_DOT2)
+  if (panels && int16_prefill_inputs() &&
+      std::any_of(p.segments.begin(), p.segments.end(), [](const auto& seg) { return seg.format == 2012; }))
+    in.rx.x16 = round_x16(xp, ldx, R, p.K);
 #endif
 #if defined(KVGEN_AMX_BF16)
   if (p.split && (in.split_rows = amx_rows(R)) > 0) in.parts = split_bf16(xp, ldx, in.split_rows, p.K);

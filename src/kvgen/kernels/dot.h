@@ -27,6 +27,21 @@ namespace kvgen {
 // differs from x by at most max|x| / 2^22 per block (float32 itself rounds at 2^-24 of each value).
 constexpr float XQ_MAX = 127.0f * 16384.0f;
 
+#if defined(KVGEN_DOT2)
+// input rows rounded to 16 bits for AVX2's opt-in Q4_K prefill products (panels16.h's round_x16): each window of 64
+// values' column of the largest magnitude over all rows kept exact (at (K / 64): its place; outlier (RP, K / 64): its
+// values), the window's other values rounded to int16 on the scale of their largest (values (K / 256, RP, 256), the
+// exact column's 0; scale (RP, K / 64)). RP: R rounded up to 6 (rows of zeros). sums: each group of 32 inputs' sum
+// as rounded (RP, K / 32), the exact column's value included
+struct X16 {
+  X16() = default;  // (not an aggregate: RoundedX's brace-initializations leave it empty without a warning)
+  int64_t R = 0, RP = 0, K = 0;
+  Written<int16_t> v;
+  Written<float> scale, outlier, sums;
+  Written<int32_t> at;
+};
+#endif
+
 // the input rows, rounded for the integer dot products (dot.cpp's round_x): levels (R, 3, K) int8 (with AVX2's
 // vpmaddubsw, each 4 values in the order 0, 2, 1, 3: simd.h's Quads), scales (R, K /
 // 32), sums of x~ per 16 values (R, K / 16), sums of each level per 32 values (R, 3, K / 32; only where asked: Q8_0's
@@ -40,6 +55,9 @@ struct RoundedX {
   Written<float> scales, sums;
   std::vector<int32_t> level_sums;
   Written<int8_t> tiles;
+#if defined(KVGEN_DOT2)
+  X16 x16;
+#endif
 };
 #else
 struct RoundedX {};
