@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gguf
@@ -22,7 +24,7 @@ from gguf.constants import GGML_QUANT_SIZES
 
 import kvgen
 from kvgen.kernels import (integer_dot_formats, integer_dot_instruction, kernels_available, panel_rows,
-                           unavailable_reason)
+                           prefill_inputs, unavailable_reason)
 from kvgen.models.packed import TILED, TILED_HEADS, PackedWeight, dequantize_on_device, row_bytes, tile_rows, untile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
 from kvgen.models.weight_arena import WeightArena
@@ -378,7 +380,11 @@ def test_q4_k_prefill_products_take_16_bit_inputs_when_asked(monkeypatch):
     assert y[3].isnan().all() and y[torch.arange(len(x)) != 3].isfinite().all()
     monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "int8")
     with pytest.raises(ValueError, match="KVGEN_PREFILL_INPUTS is 'int8'"):
-        kernels_available()
+        prefill_inputs()
+    # and where the kernels load (kernels_available, which the fused ops ask at every call, does not read it again)
+    loading = subprocess.run([sys.executable, "-c", "import kvgen.kernels as k; k.kernels_available()"],
+                             capture_output=True, text=True, env=os.environ | {"KVGEN_PREFILL_INPUTS": "int8"})
+    assert loading.returncode != 0 and "ValueError: KVGEN_PREFILL_INPUTS is 'int8'" in loading.stderr
 
 
 def _amx_cpu() -> bool:

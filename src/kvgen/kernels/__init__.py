@@ -114,7 +114,10 @@ def _build(target: Path) -> None:
 
 @functools.cache
 def _load() -> str | None:
-    """Build (if needed) and load the kernels; None on success, else why they are unavailable."""
+    """Build (if needed) and load the kernels; None on success, else why they are unavailable. A wrong
+    ``KVGEN_PREFILL_INPUTS`` raises here, where the kernels load, not in :func:`kernels_available`, which the models'
+    fused ops ask at every call (a check there made it 1.25 us a call instead of 0.05)."""
+    prefill_inputs()
     if os.environ.get("KVGEN_DISABLE_KERNELS", "") not in ("", "0"):
         return "KVGEN_DISABLE_KERNELS is set"
     try:
@@ -131,7 +134,6 @@ def _load() -> str | None:
 
 def kernels_available() -> bool:
     """Whether ``torch.ops.kvgen`` holds the stored-precision kernels (built on first call)."""
-    prefill_inputs()
     return _load() is None
 
 
@@ -139,11 +141,12 @@ PREFILL_INPUTS = ("float32", "int16")
 
 
 def prefill_inputs() -> str:
-    """What the products of prefills (10 input rows or more) take as inputs, from ``KVGEN_PREFILL_INPUTS`` (read at
-    each product): ``"float32"`` (unset: the default; exact up to float32 rounding order) or ``"int16"``: on AVX2
-    CPUs without AVX-512 VNNI, Q4_K weights' products on inputs rounded to 16 bits a window of 64 values, one column
-    of each window exact (1.10-1.16x faster prefills, logits within 1e-2 of the dequantized float32 run; a row's
-    products then depend on the other rows of its product, so a batch's make-up moves its logits); elsewhere float32.
+    """What the products of prefills (10 input rows or more) take as inputs, from ``KVGEN_PREFILL_INPUTS``, read at
+    each product (its value checked when the kernels load, and here): ``"float32"`` (unset: the default; exact up to
+    float32 rounding order) or ``"int16"``: on AVX2 CPUs without AVX-512 VNNI, Q4_K weights' products on inputs
+    rounded to 16 bits a window of 64 values, one column of each window exact (1.10-1.16x faster prefills, logits
+    within 1e-2 of the dequantized float32 run; a row's products then depend on the other rows of its product, so a
+    batch's make-up moves its logits); elsewhere float32.
 
     Example:
         >>> import os

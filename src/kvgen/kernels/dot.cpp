@@ -393,7 +393,7 @@ Product make_product(std::vector<Product::Segment> segments, int64_t K) {
 
 #if defined(KVGEN_DOT2)
 // KVGEN_PREFILL_INPUTS=int16, read at each product (kvgen.kernels checks its value when it loads the kernels)
-bool int16_prefill_inputs() {
+static bool int16_prefill_inputs() {
   const char* v = std::getenv("KVGEN_PREFILL_INPUTS");
   return v != nullptr && std::strcmp(v, "int16") == 0;
 }
