@@ -6,8 +6,8 @@
 // layers, one process alternating): Q4_K 1.0-1.3x, Q6_K 1.2-1.6x and Q5_0 1.3-1.4x at 1 row, 1.1-1.6x at 4; at 2 rows
 // Q4_K 0.82-0.95x (its registers spill), Q5_0 1.3-1.5x. (Parts of 16 values of 8 rows at a time, 4 registers of u,
 // ran 0.7-1.0x these.) One input row (a decode step) of Q4_K and Q6_K takes loops of its own, a group at a time
-// (matmul_q4k_row, matmul_q6k_row: 1.04-1.22x these); Q8_0's signed bytes one of their own for any rows
-// (matmul_q8_0). Included by dot.cpp.
+// (matmul_q4k_row here, 1.04-1.22x these; q6k_row.h's matmul_q6k_row); Q8_0's signed bytes one of their own for any
+// rows (matmul_q8_0). Included by dot.cpp.
 #pragma once
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 
 #include "dot.h"
 #include "parallel.h"
+#include "q6k_row.h"
 #include "tiles2.h"
 
 namespace kvgen {
@@ -160,77 +161,6 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
                         b * Q4_K::QK + 64 * c + 32 * g);
         }
       }
-    }
-    store_rows(y + 16 * t, acc);
-  }
-}
-
-// a quad of 16 Q6_K rows' values (Quads) from their low 4 bits (v: of group s, or s - 2 in the high nibbles) and
-// their top 2 bits (hb: 2 bits a group); s known when compiled: each shift an immediate
-template <int S>
-__attribute__((always_inline)) inline __m256i q6k_quad(__m256i v, __m256i hb) {
-  const __m256i n15 = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
-  const __m256i low = _mm256_and_si256(S < 2 ? v : _mm256_srli_epi16(v, 4), n15);
-  const __m256i high = S == 0   ? _mm256_slli_epi16(_mm256_and_si256(hb, _mm256_set1_epi8(3)), 4)
-                       : S == 1 ? _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)
-                       : S == 2 ? _mm256_and_si256(hb, top)
-                                : _mm256_and_si256(_mm256_srli_epi16(hb, 2), top);
-  return _mm256_or_si256(low, high);
-}
-
-// The same for Q6_K (the output head and half the down products of a Q4_K_M file): a group of 16 values at a time, its
-// position in the block known when compiled, each level's products summed in int16 over 2 quads (2 * 2 * 63 * 127
-// fit); each quad's runs loaded where used (a group's low and high bits share runs with 3 others: kept in arrays
-// indexed at run time, they lived on the stack, and the loop ran at 6 Gw/s from L3, a third of Q4_K's)
-__attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
-                                                     int64_t t1, float* y) {
-  constexpr int64_t TB = 16 * Q6_K::BYTES;
-  const int64_t K = x.K, nb = K / Q6_K::QK;
-  const int8_t* levels = x.levels.data() + r0 * 3 * K;
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * nb * TB;
-    Lanes acc{{_mm256_setzero_ps(), _mm256_setzero_ps()}};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = tile + b * TB;
-      // the next block a line at a time as this one's is read (scales and d first): its lines all at its start, 4 kB
-      // ahead, ran 0.83-0.91x this on Qwen2.5-1.5B's output head and Q6_K down products (AMD EPYC Zen 3)
-      for (int64_t l = 16 * 192; l < TB; l += 64) __builtin_prefetch(blk + TB + l);
-      const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
-      const vf dd = f16_fields(&bits);
-      // values 128 h + 32 s + 16 k + l (l = 0..15): group 8 h + 2 s + k; low 4 bits in runs 64 h + 32 (s % 2) + 16 k +
-      // l (the high nibbles for s >= 2), top 2 bits in runs 128 + 32 h + 16 k + l
-      auto group = [&](int h, int k, auto s) {
-        constexpr int S = decltype(s)::value;
-        const int64_t k0 = 128 * h + 32 * S + 16 * k;
-        const uint8_t *low = blk + 16 * (64 * h + 32 * (S % 2) + 16 * k), *top = blk + 16 * (128 + 32 * h + 16 * k);
-        // level 0 (-127..127) in int16 over 2 quads (2 * 2 * 63 * 127 fit), levels 1 and 2 (-64..63) over all 4
-        __m256i part[3][2], sum[2];
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          __builtin_prefetch(low + 64 * j + TB);
-          if (S == 0) __builtin_prefetch(top + 64 * j + TB);
-          const Quads v = load_quads(low + 64 * j), hb = load_quads(top + 64 * j);
-          const __m256i u[2] = {q6k_quad<S>(v.h[0], hb.h[0]), q6k_quad<S>(v.h[1], hb.h[1])};
-          add_quad(part, u, levels + b * Q6_K::QK + k0 + 4 * j, K, j % 2 == 0, j == 0);
-          if (j % 2 == 1)
-            for (int i = 0; i < 2; ++i) {
-              const __m256i high = _mm256_madd_epi16(part[0][i], _mm256_set1_epi16(1 << 14));
-              sum[i] = j == 1 ? high : _mm256_add_epi32(sum[i], high);
-            }
-        }
-        for (int i = 0; i < 2; ++i)
-          sum[i] = _mm256_add_epi32(sum[i], _mm256_add_epi32(_mm256_madd_epi16(part[1][i], _mm256_set1_epi16(1 << 7)),
-                                                             _mm256_madd_epi16(part[2][i], _mm256_set1_epi16(1))));
-        const vf dg = dd * tof((vsb)load16(blk + 16 * (192 + 8 * h + 2 * S + k)));
-        add_group<16>(acc, sum, to_quads(dg), to_quads(dg * -32.0f), x, r0, b * Q6_K::QK + k0);
-      };
-      for (int h = 0; h < 2; ++h)
-        for (int k = 0; k < 2; ++k) {
-          group(h, k, Int<0>{});
-          group(h, k, Int<1>{});
-          group(h, k, Int<2>{});
-          group(h, k, Int<3>{});
-        }
     }
     store_rows(y + 16 * t, acc);
   }

@@ -1,0 +1,168 @@
+// A decode step's Q6_K products where AVX2 runs without AVX-512 VNNI (KVGEN_DOT2): one input row (rounded to three
+// int8 levels, dot.h's RoundedX) times Q6_K tiles of 16 rows (the output head and half the down products of a Q4_K_M
+// file), each group of 16 values in hand-written assembly. Included by dot2.h.
+#pragma once
+
+#include <utility>
+
+#include "dot.h"
+#include "tiles2.h"
+
+namespace kvgen {
+
+#if defined(KVGEN_DOT2)
+// One group of 16 Q6_K values of 16 rows (4 quads: 4 runs of 16 bytes each, Quads' order) times one input row's
+// three levels at q, q + K, q + 2 K, added to acc (each half of the rows) as dot2.h's add_group adds it: acc += (d s)
+// sum(u X) + m xs, with s (the input's scale) at sx, xs (its rounded sum) at xs, d (the rows' d times the group's
+// scale) and m = -32 d at dm: the bits of the products of more rows. In assembly, each quad's 3 broadcasts serve
+// both halves; level 0 (-127..127) is summed in int16 over 2 quads (2 * 2 * 63 * 127 fit), levels 1 and 2 (-64..63)
+// over all 4, then weighed by 2^14, 2^7 and 1 (vpmaddwd): the exact int32 sums of the intrinsics it replaced, which
+// GCC compiled to 240 instructions a group, most of its values on the stack (this: ~110; one Zen 3 core, from cache
+// 1.1-1.2x faster, from memory 1.0-1.15x, 2 cores from memory ~1.0x: there the memory sets the pace).
+// The group's values are 128 h + 32 s + 16 k + l (l = 0..15): their low 4 bits in the runs at low (the low nibbles
+// for s < 2, the high ones for s >= 2), their top 2 bits at bit 2 s of the runs at top. S: s, known when compiled
+#define KVGEN_Q6_LOW01(OFF, U) "vpand " OFF "(%[lo]), %[n15], " U "\n"
+#define KVGEN_Q6_LOW23(OFF, U) "vmovdqu " OFF "(%[lo]), " U "\n vpsrlw $4, " U ", " U "\n vpand %[n15], " U ", " U "\n"
+#define KVGEN_Q6_TOP0(OFF, T) "vpand " OFF "(%[tp]), %[top], " T "\n vpsllw $4, " T ", " T "\n"
+#define KVGEN_Q6_TOP1(OFF, T) "vmovdqu " OFF "(%[tp]), " T "\n vpsllw $2, " T ", " T "\n vpand %[top], " T ", " T "\n"
+#define KVGEN_Q6_TOP2(OFF, T) "vpand " OFF "(%[tp]), %[top], " T "\n"
+#define KVGEN_Q6_TOP3(OFF, T) "vmovdqu " OFF "(%[tp]), " T "\n vpsrlw $2, " T ", " T "\n vpand %[top], " T ", " T "\n"
+// the next block's line (3360 bytes on) of the runs at OFF, by the group that reads them first (low: s < 2; top:
+// s = 0): the next block a line at a time as this one's is read. (In C, next to the assembly, GCC hoisted them all to
+// the block's start, and products from memory ran at half the speed.)
+#define KVGEN_Q6_LOW01_NEXT(OFF) "prefetcht0 3360+" OFF "(%[lo])\n"
+#define KVGEN_Q6_LOW23_NEXT(OFF)
+#define KVGEN_Q6_TOP0_NEXT(OFF) "prefetcht0 3360+" OFF "(%[tp])\n"
+#define KVGEN_Q6_TOP1_NEXT(OFF)
+#define KVGEN_Q6_TOP2_NEXT(OFF)
+#define KVGEN_Q6_TOP3_NEXT(OFF)
+// quad J (offsets O0, O1 of its halves' runs, X of its input values): u of each half in ymm0, ymm1; level l's int16
+// sums of half 0 in ymm4 + l, of half 1 in ymm7 + l (ymm3: products to add); level 0's int32 sums in ymm10, ymm11
+#define KVGEN_Q6_SET(a, b) a
+#define KVGEN_Q6_ADD(a, b) b
+#define KVGEN_Q6_LEVEL(SRC, A, B, FIRST)                                                                    \
+  "vpbroadcastd " SRC ", %%ymm2\n"                                                                        \
+  FIRST("vpmaddubsw %%ymm2, %%ymm0, %%ymm" A "\n vpmaddubsw %%ymm2, %%ymm1, %%ymm" B "\n",                  \
+        "vpmaddubsw %%ymm2, %%ymm0, %%ymm3\n vpaddw %%ymm3, %%ymm" A ", %%ymm" A "\n"                       \
+        "vpmaddubsw %%ymm2, %%ymm1, %%ymm3\n vpaddw %%ymm3, %%ymm" B ", %%ymm" B "\n")
+#define KVGEN_Q6_QUAD(LOW, TOP, O0, O1, X, F0, F12, HIGH)                                                   \
+  LOW##_NEXT(O0) TOP##_NEXT(O0)                                                                             \
+  LOW(O0, "%%ymm0") TOP(O0, "%%ymm3") "vpor %%ymm3, %%ymm0, %%ymm0\n"                                     \
+  LOW(O1, "%%ymm1") TOP(O1, "%%ymm3") "vpor %%ymm3, %%ymm1, %%ymm1\n"                                     \
+  KVGEN_Q6_LEVEL(X "(%[q])", "4", "7", F0) KVGEN_Q6_LEVEL(X "(%[q],%[K])", "5", "8", F12)                   \
+  KVGEN_Q6_LEVEL(X "(%[q],%[K],2)", "6", "9", F12) HIGH
+#define KVGEN_Q6_HIGH_SET "vpmaddwd %[w14], %%ymm4, %%ymm10\n vpmaddwd %[w14], %%ymm7, %%ymm11\n"
+#define KVGEN_Q6_HIGH_ADD                                                                                     \
+  "vpmaddwd %[w14], %%ymm4, %%ymm3\n vpaddd %%ymm3, %%ymm10, %%ymm10\n"                                      \
+  "vpmaddwd %[w14], %%ymm7, %%ymm3\n vpaddd %%ymm3, %%ymm11, %%ymm11\n"
+#define KVGEN_Q6_GROUP(LOW, TOP)                                                                              \
+  KVGEN_Q6_QUAD(LOW, TOP, "0", "32", "0", KVGEN_Q6_SET, KVGEN_Q6_SET, "")                                           \
+  KVGEN_Q6_QUAD(LOW, TOP, "64", "96", "4", KVGEN_Q6_ADD, KVGEN_Q6_ADD, KVGEN_Q6_HIGH_SET)                           \
+  KVGEN_Q6_QUAD(LOW, TOP, "128", "160", "8", KVGEN_Q6_SET, KVGEN_Q6_ADD, "")                                        \
+  KVGEN_Q6_QUAD(LOW, TOP, "192", "224", "12", KVGEN_Q6_ADD, KVGEN_Q6_ADD, KVGEN_Q6_HIGH_ADD)                        \
+  "vpmaddwd %[w7], %%ymm5, %%ymm5\n vpmaddwd %[w1], %%ymm6, %%ymm6\n"                                         \
+  "vpmaddwd %[w7], %%ymm8, %%ymm8\n vpmaddwd %[w1], %%ymm9, %%ymm9\n"                                         \
+  "vpaddd %%ymm5, %%ymm10, %%ymm10\n vpaddd %%ymm8, %%ymm11, %%ymm11\n"                                       \
+  "vpaddd %%ymm6, %%ymm10, %%ymm10\n vpaddd %%ymm9, %%ymm11, %%ymm11\n"                                       \
+  "vcvtdq2ps %%ymm10, %%ymm10\n vcvtdq2ps %%ymm11, %%ymm11\n vbroadcastss %[sx], %%ymm2\n"                    \
+  "vmulps (%[dm]), %%ymm2, %%ymm3\n vfmadd231ps %%ymm3, %%ymm10, %[acc0]\n"                                    \
+  "vmulps 32(%[dm]), %%ymm2, %%ymm3\n vfmadd231ps %%ymm3, %%ymm11, %[acc1]\n vbroadcastss %[xs], %%ymm2\n"     \
+  "vfmadd231ps 64(%[dm]), %%ymm2, %[acc0]\n vfmadd231ps 96(%[dm]), %%ymm2, %[acc1]\n"
+
+alignas(32) inline constexpr int16_t Q6K_LEVEL_WEIGHTS[3][16] = {
+    {16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384},
+    {128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128, 128},
+    {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}};
+
+template <int S>
+__attribute__((always_inline)) inline void q6k_group(const uint8_t* low, const uint8_t* top, const int8_t* q, int64_t K,
+                                                     const float* sx, const float* xs, const __m256* dm,
+                                                     __m256& acc0, __m256& acc1) {
+  const __m256i n15 = _mm256_set1_epi8(15), topm = _mm256_set1_epi8(S == 0 ? 3 : 0x30);
+  const auto& w = Q6K_LEVEL_WEIGHTS;
+#define KVGEN_Q6_ASM(LOW, TOP)                                                                                 \
+  __asm__(KVGEN_Q6_GROUP(LOW, TOP)                                                                             \
+          : [acc0] "+x"(acc0), [acc1] "+x"(acc1)                                                               \
+          : [lo] "r"(low), [tp] "r"(top), [q] "r"(q), [K] "r"(K), [dm] "r"(dm), [n15] "x"(n15), [top] "x"(topm),  \
+            [sx] "m"(*sx), [xs] "m"(*xs), [w14] "m"(*(const __m256i*)w[0]), [w7] "m"(*(const __m256i*)w[1]),  \
+            [w1] "m"(*(const __m256i*)w[2]), "m"(*(const uint8_t(*)[256])low), "m"(*(const uint8_t(*)[256])top), \
+            "m"(*(const __m256(*)[4])dm)                                                                       \
+          : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11")
+  if constexpr (S == 0) KVGEN_Q6_ASM(KVGEN_Q6_LOW01, KVGEN_Q6_TOP0);
+  if constexpr (S == 1) KVGEN_Q6_ASM(KVGEN_Q6_LOW01, KVGEN_Q6_TOP1);
+  if constexpr (S == 2) KVGEN_Q6_ASM(KVGEN_Q6_LOW23, KVGEN_Q6_TOP2);
+  if constexpr (S == 3) KVGEN_Q6_ASM(KVGEN_Q6_LOW23, KVGEN_Q6_TOP3);
+#undef KVGEN_Q6_ASM
+}
+
+// y[16 t + i] for Q6_K tiles t0..t1 and one row r0 of the rounded input (the output head and half the down products
+// of a Q4_K_M file): a group of 16 values at a time (q6k_group), its place in the block known when compiled; per
+// block, first the rows' d and m of its 16 groups, in Quads' order
+__attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
+                                                     int64_t t1, float* y) {
+  constexpr int64_t TB = 16 * Q6_K::BYTES;
+  static_assert(TB == 3360, "q6k_group's prefetches name the tile block's size");
+  const int64_t K = x.K, nb = K / Q6_K::QK;
+  const int8_t* levels = x.levels.data() + r0 * 3 * K;
+  const float *scales = x.scales.data() + r0 * (K / 32), *sums = x.sums.data() + r0 * (K / 16);
+  const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);  // Quads' order
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* tile = w + t * nb * TB;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = tile + b * TB;
+      // the next block's scales and d (its runs: q6k_group), a line at a time as this one's are read: its lines all at
+      // its start, 4 kB ahead, ran 0.83-0.91x that on Qwen2.5-1.5B's output head and Q6_K down products (Zen 3)
+      for (int64_t l = 16 * 192; l < TB; l += 64) __builtin_prefetch(blk + TB + l);
+      __m256 dm[16][4];  // each group's d (each half of the rows), then its m = -32 d
+      const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+      const Lanes dd = to_quads(f16_fields(&bits));
+      for (int g = 0; g < 16; ++g) {
+        const __m128i sc =
+            _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * (192 + g))), quad_rows);
+        dm[g][0] = _mm256_mul_ps(dd.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        dm[g][1] = _mm256_mul_ps(dd.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        dm[g][2] = _mm256_mul_ps(dm[g][0], _mm256_set1_ps(-32.0f));
+        dm[g][3] = _mm256_mul_ps(dm[g][1], _mm256_set1_ps(-32.0f));
+      }
+      const int8_t* xb = levels + b * Q6_K::QK;
+      const float *sb = scales + b * (Q6_K::QK / 32), *xb_sums = sums + b * (Q6_K::QK / 16);
+      // values 128 h + 32 s + 16 k + l (l = 0..15): group 8 h + 2 s + k; low 4 bits in runs 64 h + 32 (s % 2) + 16 k +
+      // l (the high nibbles for s >= 2), top 2 bits in runs 128 + 32 h + 16 k + l; i = 8 h + 4 k + s
+      [&]<int... I>(std::integer_sequence<int, I...>) {
+        (
+            [&] {
+              constexpr int h = I / 8, k = I / 4 % 2, S = I % 4, k0 = 128 * h + 32 * S + 16 * k;
+              const uint8_t* low = blk + 16 * (64 * h + 32 * (S % 2) + 16 * k);
+              const uint8_t* top = blk + 16 * (128 + 32 * h + 16 * k);
+              q6k_group<S>(low, top, xb + k0, K, sb + k0 / 32, xb_sums + k0 / 16, dm[8 * h + 2 * S + k], acc0, acc1);
+            }(),
+            ...);
+      }(std::make_integer_sequence<int, 16>{});
+    }
+    store_rows(y + 16 * t, Lanes{{acc0, acc1}});
+  }
+}
+
+#undef KVGEN_Q6_LOW01
+#undef KVGEN_Q6_LOW23
+#undef KVGEN_Q6_TOP0
+#undef KVGEN_Q6_TOP1
+#undef KVGEN_Q6_TOP2
+#undef KVGEN_Q6_TOP3
+#undef KVGEN_Q6_LOW01_NEXT
+#undef KVGEN_Q6_LOW23_NEXT
+#undef KVGEN_Q6_TOP0_NEXT
+#undef KVGEN_Q6_TOP1_NEXT
+#undef KVGEN_Q6_TOP2_NEXT
+#undef KVGEN_Q6_TOP3_NEXT
+#undef KVGEN_Q6_SET
+#undef KVGEN_Q6_ADD
+#undef KVGEN_Q6_LEVEL
+#undef KVGEN_Q6_QUAD
+#undef KVGEN_Q6_HIGH_SET
+#undef KVGEN_Q6_HIGH_ADD
+#undef KVGEN_Q6_GROUP
+#endif
+
+}  // namespace kvgen
