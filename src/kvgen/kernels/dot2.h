@@ -6,8 +6,8 @@
 // layers, one process alternating): Q4_K 1.0-1.3x, Q6_K 1.2-1.6x and Q5_0 1.3-1.4x at 1 row, 1.1-1.6x at 4; at 2 rows
 // Q4_K 0.82-0.95x (its registers spill), Q5_0 1.3-1.5x. (Parts of 16 values of 8 rows at a time, 4 registers of u,
 // ran 0.7-1.0x these.) One input row (a decode step) of Q4_K and Q6_K takes loops of its own, a group at a time
-// (matmul_q4k_row here, 1.04-1.22x these; q6k_row.h's matmul_q6k_row); Q8_0's signed bytes one of their own for any
-// rows (matmul_q8_0). Included by dot.cpp.
+// (rows2.h's matmul_q4k_row and matmul_q6k_row); Q8_0's signed bytes one of their own for any rows (matmul_q8_0).
+// Included by dot.cpp.
 #pragma once
 
 #include <algorithm>
@@ -15,7 +15,7 @@
 
 #include "dot.h"
 #include "parallel.h"
-#include "q6k_row.h"
+#include "rows2.h"
 #include "tiles2.h"
 
 namespace kvgen {
@@ -85,84 +85,6 @@ inline void add_group(Lanes& acc, const __m256i (&dot)[2], const Lanes& d, const
   for (int i = 0; i < 2; ++i) {
     acc.h[i] = _mm256_fmadd_ps(_mm256_mul_ps(d.h[i], s), _mm256_cvtepi32_ps(dot[i]), acc.h[i]);
     acc.h[i] = _mm256_fmadd_ps(m.h[i], _mm256_set1_ps(xs), acc.h[i]);
-  }
-}
-
-// part[l] (each half of the rows; set where this quad is the first of level 0's sum (first_high) or of levels 1 and
-// 2's (first_low), else added to) the products of a quad u of 16 rows' 4 stored values with level l's 4 values at
-// xq + l K, in int16 (vpmaddubsw)
-__attribute__((always_inline)) inline void add_quad(__m256i (&part)[3][2], const __m256i (&u)[2], const int8_t* xq,
-                                                    int64_t K, bool first_high, bool first_low) {
-#pragma GCC unroll 3
-  for (int l = 0; l < 3; ++l) {
-    int32_t quad;
-    std::memcpy(&quad, xq + l * K, 4);
-    const __m256i xb = _mm256_set1_epi32(quad);
-    for (int i = 0; i < 2; ++i) {
-      const __m256i p = _mm256_maddubs_epi16(u[i], xb);
-      part[l][i] = (l == 0 ? first_high : first_low) ? p : _mm256_add_epi16(part[l][i], p);
-    }
-  }
-}
-
-// sum (each half of the rows, int32) = part's levels weighed by their weights in X: 2^14, 2^7, 1 (vpmaddwd)
-__attribute__((always_inline)) inline void weigh_levels(const __m256i (&part)[3][2], __m256i (&sum)[2]) {
-  for (int i = 0; i < 2; ++i)
-    sum[i] = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(part[0][i], _mm256_set1_epi16(1 << 14)),
-                                               _mm256_madd_epi16(part[1][i], _mm256_set1_epi16(1 << 7))),
-                              _mm256_madd_epi16(part[2][i], _mm256_set1_epi16(1)));
-}
-
-// y[16 t + i] for tiles t0..t1 and one row r0 of the rounded input, Q4_K (a decode step's products): one group at a
-// time, a quad (4 values of the 16 rows) at a time, each level's products summed in int16 over the whole group (8 quads
-// of 2 * 15 * 127 fit) and weighed once; a chunk's high nibbles (the next group) wait on the stack. The general loop
-// below takes both groups of a chunk at once (dot_groups' 16 values), and its registers spill: over Qwen2.5-1.5B's
-// ffn_gate copies this ran 1.24x / 1.15x faster at 1 / 2 threads (AMD EPYC Zen 3, from memory)
-__attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
-                                                     int64_t t1, float* y) {
-  constexpr int64_t TB = 16 * Q4_K::BYTES;
-  const int64_t K = x.K, nb = K / Q4_K::QK;
-  const int8_t* levels = x.levels.data() + r0 * 3 * K;
-  const __m256i n15 = _mm256_set1_epi8(15);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * nb * TB;
-    Lanes acc{{_mm256_setzero_ps(), _mm256_setzero_ps()}};
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = tile + b * TB;
-      // the next block a line at a time as this one's is read (its head and scales first): all of a block's lines at
-      // its start, 4 kB ahead, ran 0.85-0.99x this (Qwen2.5-1.5B's ffn_gate / ffn_up / attn_output, AMD EPYC Zen 3)
-      for (int64_t l = 0; l < 256; l += 64) __builtin_prefetch(blk + TB + l);
-      const uint8_t* run = blk + 64;
-      vf d[8], m[8];
-      k_scales16(blk, d, m);
-      for (int c = 0; c < 4; ++c) {  // byte i of chunk c: value 64 c + i (low nibble, group 2 c), 64 c + 32 + i (high)
-        __m256i high[8][2];
-        for (int g = 0; g < 2; ++g) {
-          __m256i part[3][2];  // each level's sums, each half of the rows
-#pragma GCC unroll 8
-          for (int q = 0; q < 8; ++q) {  // values 64 c + 32 g + 4 q ..
-            __m256i u[2];
-            if (g == 0) {
-              __builtin_prefetch(run + 16 * (12 + 32 * c + 4 * q) + TB);
-              const Quads v = load_quads(run + 16 * (12 + 32 * c + 4 * q));
-              for (int i = 0; i < 2; ++i) {
-                u[i] = _mm256_and_si256(v.h[i], n15);
-                high[q][i] = _mm256_and_si256(_mm256_srli_epi16(v.h[i], 4), n15);
-              }
-            } else {
-              u[0] = high[q][0];
-              u[1] = high[q][1];
-            }
-            add_quad(part, u, levels + b * Q4_K::QK + 64 * c + 32 * g + 4 * q, K, q == 0, q == 0);
-          }
-          __m256i sum[2];
-          weigh_levels(part, sum);
-          add_group<32>(acc, sum, to_quads(d[2 * c + g]), to_quads(m[2 * c + g]), x, r0,
-                        b * Q4_K::QK + 64 * c + 32 * g);
-        }
-      }
-    }
-    store_rows(y + 16 * t, acc);
   }
 }
 
