@@ -8,8 +8,9 @@ The sources are split by idea, as llama.cpp's CPU backend is:
   decoding and dequantization;
 * ``tiles.h``, ``tiles2.h``: the same blocks in tiles of 16 rows, and their integer groups for ``vpdpbusd``
   (AVX-512 VNNI) and for ``vpmaddubsw`` (AVX2 without it);
-* ``dot.h``, ``dot.cpp``, ``dot2.h``, ``amx.h``: the matrix products (rows, tiles, integer dot products: AVX-512
-  VNNI, AVX2, Intel's tile unit); ``panels2.h``, ``panels16.h``: AVX2's prefill products on float32 panels, and
+* ``dot.h``, ``dot.cpp``, ``dot2.h``, ``rows2.h``, ``amx.h``: the matrix products (rows, tiles, integer dot
+  products: AVX-512 VNNI, AVX2 and its one-row Q4_K and Q6_K products in assembly, Intel's tile unit);
+  ``panels2.h``, ``panels16.h``: AVX2's prefill products on float32 panels, and
   Q4_K's on 16-bit inputs where ``KVGEN_PREFILL_INPUTS=int16`` asks (:func:`prefill_inputs`);
 * ``kv_rows.h``, ``kv_rows.cpp``: how a KV cache stores keys and values (float32, float16, bfloat16, int8 rows
   with their scales), rows turned into float32 and back;
