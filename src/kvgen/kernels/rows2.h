@@ -47,29 +47,34 @@ namespace kvgen {
   FIRST("vpmaddubsw %%ymm2, %%ymm0, %%ymm" A "\n vpmaddubsw %%ymm2, %%ymm1, %%ymm" B "\n",                  \
         "vpmaddubsw %%ymm2, %%ymm0, %%ymm3\n vpaddw %%ymm3, %%ymm" A ", %%ymm" A "\n"                       \
         "vpmaddubsw %%ymm2, %%ymm1, %%ymm3\n vpaddw %%ymm3, %%ymm" B ", %%ymm" B "\n")
-#define KVGEN_Q6_QUAD(LOW, TOP, O0, O1, X, F0, F12, HIGH)                                                   \
-  LOW##_NEXT(O0) TOP##_NEXT(O0)                                                                             \
-  LOW(O0, "%%ymm0") TOP(O0, "%%ymm3") "vpor %%ymm3, %%ymm0, %%ymm0\n"                                     \
-  LOW(O1, "%%ymm1") TOP(O1, "%%ymm3") "vpor %%ymm3, %%ymm1, %%ymm1\n"                                     \
-  KVGEN_ROW_LEVEL(X "(%[q])", "4", "7", F0) KVGEN_ROW_LEVEL(X "(%[q],%[K])", "5", "8", F12)                   \
-  KVGEN_ROW_LEVEL(X "(%[q],%[K],2)", "6", "9", F12) HIGH
-#define KVGEN_Q6_HIGH_SET "vpmaddwd %[w14], %%ymm4, %%ymm10\n vpmaddwd %[w14], %%ymm7, %%ymm11\n"
-#define KVGEN_Q6_HIGH_ADD                                                                                     \
-  "vpmaddwd %[w14], %%ymm4, %%ymm3\n vpaddd %%ymm3, %%ymm10, %%ymm10\n"                                      \
-  "vpmaddwd %[w14], %%ymm7, %%ymm3\n vpaddd %%ymm3, %%ymm11, %%ymm11\n"
-#define KVGEN_Q6_GROUP(LOW, TOP)                                                                              \
-  KVGEN_Q6_QUAD(LOW, TOP, "0", "32", "0", KVGEN_ROW_SET, KVGEN_ROW_SET, "")                                           \
-  KVGEN_Q6_QUAD(LOW, TOP, "64", "96", "4", KVGEN_ROW_ADD, KVGEN_ROW_ADD, KVGEN_Q6_HIGH_SET)                           \
-  KVGEN_Q6_QUAD(LOW, TOP, "128", "160", "8", KVGEN_ROW_SET, KVGEN_ROW_ADD, "")                                        \
-  KVGEN_Q6_QUAD(LOW, TOP, "192", "224", "12", KVGEN_ROW_ADD, KVGEN_ROW_ADD, KVGEN_Q6_HIGH_ADD)                        \
+// level 0's int16 sums into int32 (ymm10, ymm11), weighed 2^14
+#define KVGEN_ROW_HIGH_SET "vpmaddwd %[w14], %%ymm4, %%ymm10\n vpmaddwd %[w14], %%ymm7, %%ymm11\n"
+// the group's close: levels 1 and 2 weighed (2^7, 1) and added to level 0's, then acc += (d s) sum + m xs, d and m at
+// dm, s at sx, xs broadcast into ymm2 by XS
+#define KVGEN_ROW_CLOSE(XS)                                                                                   \
   "vpmaddwd %[w7], %%ymm5, %%ymm5\n vpmaddwd %[w1], %%ymm6, %%ymm6\n"                                         \
   "vpmaddwd %[w7], %%ymm8, %%ymm8\n vpmaddwd %[w1], %%ymm9, %%ymm9\n"                                         \
   "vpaddd %%ymm5, %%ymm10, %%ymm10\n vpaddd %%ymm8, %%ymm11, %%ymm11\n"                                       \
   "vpaddd %%ymm6, %%ymm10, %%ymm10\n vpaddd %%ymm9, %%ymm11, %%ymm11\n"                                       \
   "vcvtdq2ps %%ymm10, %%ymm10\n vcvtdq2ps %%ymm11, %%ymm11\n vbroadcastss %[sx], %%ymm2\n"                    \
   "vmulps (%[dm]), %%ymm2, %%ymm3\n vfmadd231ps %%ymm3, %%ymm10, %[acc0]\n"                                    \
-  "vmulps 32(%[dm]), %%ymm2, %%ymm3\n vfmadd231ps %%ymm3, %%ymm11, %[acc1]\n vbroadcastss %[xs], %%ymm2\n"     \
+  "vmulps 32(%[dm]), %%ymm2, %%ymm3\n vfmadd231ps %%ymm3, %%ymm11, %[acc1]\n" XS                              \
   "vfmadd231ps 64(%[dm]), %%ymm2, %[acc0]\n vfmadd231ps 96(%[dm]), %%ymm2, %[acc1]\n"
+#define KVGEN_Q6_QUAD(LOW, TOP, O0, O1, X, F0, F12, HIGH)                                                   \
+  LOW##_NEXT(O0) TOP##_NEXT(O0)                                                                             \
+  LOW(O0, "%%ymm0") TOP(O0, "%%ymm3") "vpor %%ymm3, %%ymm0, %%ymm0\n"                                     \
+  LOW(O1, "%%ymm1") TOP(O1, "%%ymm3") "vpor %%ymm3, %%ymm1, %%ymm1\n"                                     \
+  KVGEN_ROW_LEVEL(X "(%[q])", "4", "7", F0) KVGEN_ROW_LEVEL(X "(%[q],%[K])", "5", "8", F12)                   \
+  KVGEN_ROW_LEVEL(X "(%[q],%[K],2)", "6", "9", F12) HIGH
+#define KVGEN_Q6_HIGH_ADD                                                                                     \
+  "vpmaddwd %[w14], %%ymm4, %%ymm3\n vpaddd %%ymm3, %%ymm10, %%ymm10\n"                                      \
+  "vpmaddwd %[w14], %%ymm7, %%ymm3\n vpaddd %%ymm3, %%ymm11, %%ymm11\n"
+#define KVGEN_Q6_GROUP(LOW, TOP)                                                                              \
+  KVGEN_Q6_QUAD(LOW, TOP, "0", "32", "0", KVGEN_ROW_SET, KVGEN_ROW_SET, "")                                           \
+  KVGEN_Q6_QUAD(LOW, TOP, "64", "96", "4", KVGEN_ROW_ADD, KVGEN_ROW_ADD, KVGEN_ROW_HIGH_SET)                           \
+  KVGEN_Q6_QUAD(LOW, TOP, "128", "160", "8", KVGEN_ROW_SET, KVGEN_ROW_ADD, "")                                        \
+  KVGEN_Q6_QUAD(LOW, TOP, "192", "224", "12", KVGEN_ROW_ADD, KVGEN_ROW_ADD, KVGEN_Q6_HIGH_ADD)                        \
+  KVGEN_ROW_CLOSE("vbroadcastss %[xs], %%ymm2\n")
 
 alignas(32) inline constexpr int16_t LEVEL_WEIGHTS[3][16] = {
     {16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384, 16384},
@@ -163,16 +168,8 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
   KVGEN_Q4_QUAD(NIB, "128", "160", "8", KVGEN_ROW_ADD) KVGEN_Q4_QUAD(NIB, "192", "224", "12", KVGEN_ROW_ADD)    \
   KVGEN_Q4_QUAD(NIB, "256", "288", "16", KVGEN_ROW_ADD) KVGEN_Q4_QUAD(NIB, "320", "352", "20", KVGEN_ROW_ADD)   \
   KVGEN_Q4_QUAD(NIB, "384", "416", "24", KVGEN_ROW_ADD) KVGEN_Q4_QUAD(NIB, "448", "480", "28", KVGEN_ROW_ADD)   \
-  "vpmaddwd %[w14], %%ymm4, %%ymm10\n vpmaddwd %[w14], %%ymm7, %%ymm11\n"                                     \
-  "vpmaddwd %[w7], %%ymm5, %%ymm5\n vpmaddwd %[w1], %%ymm6, %%ymm6\n"                                         \
-  "vpmaddwd %[w7], %%ymm8, %%ymm8\n vpmaddwd %[w1], %%ymm9, %%ymm9\n"                                         \
-  "vpaddd %%ymm5, %%ymm10, %%ymm10\n vpaddd %%ymm8, %%ymm11, %%ymm11\n"                                       \
-  "vpaddd %%ymm6, %%ymm10, %%ymm10\n vpaddd %%ymm9, %%ymm11, %%ymm11\n"                                       \
-  "vcvtdq2ps %%ymm10, %%ymm10\n vcvtdq2ps %%ymm11, %%ymm11\n vbroadcastss %[sx], %%ymm2\n"                    \
-  "vmulps (%[dm]), %%ymm2, %%ymm3\n vfmadd231ps %%ymm3, %%ymm10, %[acc0]\n"                                    \
-  "vmulps 32(%[dm]), %%ymm2, %%ymm3\n vfmadd231ps %%ymm3, %%ymm11, %[acc1]\n"                                  \
-  "vmovss %[xs0], %%xmm2\n vaddss %[xs1], %%xmm2, %%xmm2\n vbroadcastss %%xmm2, %%ymm2\n"                     \
-  "vfmadd231ps 64(%[dm]), %%ymm2, %[acc0]\n vfmadd231ps 96(%[dm]), %%ymm2, %[acc1]\n"
+  KVGEN_ROW_HIGH_SET                                                                                          \
+  KVGEN_ROW_CLOSE("vmovss %[xs0], %%xmm2\n vaddss %[xs1], %%xmm2, %%xmm2\n vbroadcastss %%xmm2, %%ymm2\n")
 
 template <int G>
 __attribute__((always_inline)) inline void q4k_group(const uint8_t* run, const int8_t* q, int64_t K, const float* sx,
@@ -243,7 +240,6 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
 #undef KVGEN_Q6_TOP2_NEXT
 #undef KVGEN_Q6_TOP3_NEXT
 #undef KVGEN_Q6_QUAD
-#undef KVGEN_Q6_HIGH_SET
 #undef KVGEN_Q6_HIGH_ADD
 #undef KVGEN_Q6_GROUP
 #undef KVGEN_Q4_LOW
@@ -255,6 +251,8 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
 #undef KVGEN_ROW_SET
 #undef KVGEN_ROW_ADD
 #undef KVGEN_ROW_LEVEL
+#undef KVGEN_ROW_HIGH_SET
+#undef KVGEN_ROW_CLOSE
 #endif
 
 }  // namespace kvgen
