@@ -102,53 +102,65 @@ __attribute__((always_inline)) inline void q6k_group(const uint8_t* low, const u
 #undef KVGEN_Q6_ASM
 }
 
-// y[16 t + i] for Q6_K tiles t0..t1 and one row r0 of the rounded input (the output head and half the down products
-// of a Q4_K_M file): a group of 16 values at a time (q6k_group), its place in the block known when compiled; per
-// block, first the rows' d and m of its 16 groups, in Quads' order
-__attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
-                                                     int64_t t1, float* y) {
-  constexpr int64_t TB = 16 * Q6_K::BYTES;
-  static_assert(TB == 3360, "q6k_group's prefetches name the tile block's size");
-  const int64_t K = x.K, nb = K / Q6_K::QK;
+// y[16 t + i] for tiles t0..t1 of format G and one row r0 of the rounded input: per tile block, lines FROM..TO of the
+// next block fetched (its other lines: the block's groups fetch them), then block(blk, xb, sb, xs, acc0, acc1) adds
+// the block's products to acc0, acc1 (each half of the rows), with xb, sb, xs its inputs' levels, scales and sums
+template <class G, int64_t FROM, int64_t TO, class B>
+__attribute__((always_inline)) inline void row_blocks(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
+                                                      int64_t t1, float* y, B&& block) {
+  constexpr int64_t TB = 16 * G::BYTES;
+  const int64_t K = x.K, nb = K / G::QK;
   const int8_t* levels = x.levels.data() + r0 * 3 * K;
   const float *scales = x.scales.data() + r0 * (K / 32), *sums = x.sums.data() + r0 * (K / 16);
-  const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);  // Quads' order
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * nb * TB;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = tile + b * TB;
-      // the next block's scales and d (its runs: q6k_group), a line at a time as this one's are read: its lines all at
-      // its start, 4 kB ahead, ran 0.83-0.91x that on Qwen2.5-1.5B's output head and Q6_K down products (Zen 3)
-      for (int64_t l = 16 * 192; l < TB; l += 64) __builtin_prefetch(blk + TB + l);
-      __m256 dm[16][4];  // each group's d (each half of the rows), then its m = -32 d
-      const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
-      const Lanes dd = to_quads(f16_fields(&bits));
-      for (int g = 0; g < 16; ++g) {
-        const __m128i sc =
-            _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * (192 + g))), quad_rows);
-        dm[g][0] = _mm256_mul_ps(dd.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-        dm[g][1] = _mm256_mul_ps(dd.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-        dm[g][2] = _mm256_mul_ps(dm[g][0], _mm256_set1_ps(-32.0f));
-        dm[g][3] = _mm256_mul_ps(dm[g][1], _mm256_set1_ps(-32.0f));
-      }
-      const int8_t* xb = levels + b * Q6_K::QK;
-      const float *sb = scales + b * (Q6_K::QK / 32), *xb_sums = sums + b * (Q6_K::QK / 16);
-      // values 128 h + 32 s + 16 k + l (l = 0..15): group 8 h + 2 s + k; low 4 bits in runs 64 h + 32 (s % 2) + 16 k +
-      // l (the high nibbles for s >= 2), top 2 bits in runs 128 + 32 h + 16 k + l; i = 8 h + 4 k + s
-      [&]<int... I>(std::integer_sequence<int, I...>) {
-        (
-            [&] {
-              constexpr int h = I / 8, k = I / 4 % 2, S = I % 4, k0 = 128 * h + 32 * S + 16 * k;
-              const uint8_t* low = blk + 16 * (64 * h + 32 * (S % 2) + 16 * k);
-              const uint8_t* top = blk + 16 * (128 + 32 * h + 16 * k);
-              q6k_group<S>(low, top, xb + k0, K, sb + k0 / 32, xb_sums + k0 / 16, dm[8 * h + 2 * S + k], acc0, acc1);
-            }(),
-            ...);
-      }(std::make_integer_sequence<int, 16>{});
+      for (int64_t l = FROM; l < TO; l += 64) __builtin_prefetch(blk + TB + l);
+      block(blk, levels + b * G::QK, scales + b * (G::QK / 32), sums + b * (G::QK / 16), acc0, acc1);
     }
     store_rows(y + 16 * t, Lanes{{acc0, acc1}});
   }
+}
+
+// y[16 t + i] for Q6_K tiles t0..t1 and one row r0 of the rounded input (the output head and half the down products
+// of a Q4_K_M file): a group of 16 values at a time (q6k_group), its place in the block known when compiled; per
+// block, first the rows' d and m of its 16 groups, in Quads' order. The next block's scales and d are fetched a line
+// at a time as this one's are read: its lines all at its start, 4 kB ahead, ran 0.83-0.91x that on Qwen2.5-1.5B's
+// output head and Q6_K down products (Zen 3)
+__attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
+                                                     int64_t t1, float* y) {
+  static_assert(16 * Q6_K::BYTES == 3360, "q6k_group's prefetches name the tile block's size");
+  const int64_t K = x.K;
+  const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);  // Quads' order
+  row_blocks<Q6_K, 16 * 192, 3360>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
+                                                            const float* xs, __m256& acc0, __m256& acc1)
+                                                            __attribute__((always_inline)) {
+    __m256 dm[16][4];  // each group's d (each half of the rows), then its m = -32 d
+    const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+    const Lanes dd = to_quads(f16_fields(&bits));
+    for (int g = 0; g < 16; ++g) {
+      const __m128i sc =
+          _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * (192 + g))), quad_rows);
+      dm[g][0] = _mm256_mul_ps(dd.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+      dm[g][1] = _mm256_mul_ps(dd.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+      dm[g][2] = _mm256_mul_ps(dm[g][0], _mm256_set1_ps(-32.0f));
+      dm[g][3] = _mm256_mul_ps(dm[g][1], _mm256_set1_ps(-32.0f));
+    }
+    // values 128 h + 32 s + 16 k + l (l = 0..15): group 8 h + 2 s + k; low 4 bits in runs 64 h + 32 (s % 2) + 16 k +
+    // l (the high nibbles for s >= 2), top 2 bits in runs 128 + 32 h + 16 k + l; i = 8 h + 4 k + s
+    [&]<int... I>(std::integer_sequence<int, I...>) {
+      (
+          [&] {
+            constexpr int h = I / 8, k = I / 4 % 2, S = I % 4, k0 = 128 * h + 32 * S + 16 * k;
+            const uint8_t* low = blk + 16 * (64 * h + 32 * (S % 2) + 16 * k);
+            const uint8_t* top = blk + 16 * (128 + 32 * h + 16 * k);
+            q6k_group<S>(low, top, xb + k0, K, sb + k0 / 32, xs + k0 / 16, dm[8 * h + 2 * S + k], acc0, acc1);
+          }(),
+          ...);
+    }(std::make_integer_sequence<int, 16>{});
+  });
 }
 
 // One group of 32 Q4_K values of 16 rows (8 quads at run, run + 64, ...: their low nibbles for G = 0, the high ones
@@ -189,42 +201,31 @@ __attribute__((always_inline)) inline void q4k_group(const uint8_t* run, const i
 }
 
 // y[16 t + i] for Q4_K tiles t0..t1 and one row r0 of the rounded input: a group of 32 values at a time (q4k_group);
-// per block, first the rows' d and m of its 8 groups, in Quads' order
+// per block, first the rows' d and m of its 8 groups, in Quads' order. The next block's head and scales are fetched
+// a line at a time as this one's are read: all of a block's lines at its start, 4 kB ahead, ran 0.85-0.99x that
+// (Qwen2.5-1.5B's ffn_gate / ffn_up / attn_output, AMD EPYC Zen 3)
 __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
                                                      int64_t t1, float* y) {
-  constexpr int64_t TB = 16 * Q4_K::BYTES;
-  static_assert(TB == 2304, "q4k_group's prefetches name the tile block's size");
-  const int64_t K = x.K, nb = K / Q4_K::QK;
-  const int8_t* levels = x.levels.data() + r0 * 3 * K;
-  const float *scales = x.scales.data() + r0 * (K / 32), *sums = x.sums.data() + r0 * (K / 16);
-  for (int64_t t = t0; t < t1; ++t) {
-    const uint8_t* tile = w + t * nb * TB;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = tile + b * TB;
-      // the next block's head and scales (its values: q4k_group), a line at a time as this one's are read: all of a
-      // block's lines at its start, 4 kB ahead, ran 0.85-0.99x that (Qwen2.5-1.5B's ffn_gate / ffn_up / attn_output,
-      // AMD EPYC Zen 3)
-      for (int64_t l = 0; l < 256; l += 64) __builtin_prefetch(blk + TB + l);
-      __m256 dm[8][4];  // each group's d (each half of the rows), then its m
-      vf d[8], m[8];
-      k_scales16(blk, d, m);
-      for (int g = 0; g < 8; ++g) {
-        const Lanes dq = to_quads(d[g]), mq = to_quads(m[g]);
-        dm[g][0] = dq.h[0], dm[g][1] = dq.h[1], dm[g][2] = mq.h[0], dm[g][3] = mq.h[1];
-      }
-      const int8_t* xb = levels + b * Q4_K::QK;
-      const float *sb = scales + b * (Q4_K::QK / 32), *xb_sums = sums + b * (Q4_K::QK / 16);
-      // byte i of chunk c (its runs from blk + 256 + 512 c): value 64 c + i (low nibble, group 2 c), 64 c + 32 + i
-      // (high nibble, group 2 c + 1)
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* run = blk + 256 + 512 * c;
-        q4k_group<0>(run, xb + 64 * c, K, sb + 2 * c, xb_sums + 4 * c, dm[2 * c], acc0, acc1);
-        q4k_group<1>(run, xb + 64 * c + 32, K, sb + 2 * c + 1, xb_sums + 4 * c + 2, dm[2 * c + 1], acc0, acc1);
-      }
+  static_assert(16 * Q4_K::BYTES == 2304, "q4k_group's prefetches name the tile block's size");
+  const int64_t K = x.K;
+  row_blocks<Q4_K, 0, 256>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
+                                                    const float* xs, __m256& acc0, __m256& acc1)
+                                                    __attribute__((always_inline)) {
+    __m256 dm[8][4];  // each group's d (each half of the rows), then its m
+    vf d[8], m[8];
+    k_scales16(blk, d, m);
+    for (int g = 0; g < 8; ++g) {
+      const Lanes dq = to_quads(d[g]), mq = to_quads(m[g]);
+      dm[g][0] = dq.h[0], dm[g][1] = dq.h[1], dm[g][2] = mq.h[0], dm[g][3] = mq.h[1];
     }
-    store_rows(y + 16 * t, Lanes{{acc0, acc1}});
-  }
+    // byte i of chunk c (its runs from blk + 256 + 512 c): value 64 c + i (low nibble, group 2 c), 64 c + 32 + i
+    // (high nibble, group 2 c + 1)
+    for (int c = 0; c < 4; ++c) {
+      const uint8_t* run = blk + 256 + 512 * c;
+      q4k_group<0>(run, xb + 64 * c, K, sb + 2 * c, xs + 4 * c, dm[2 * c], acc0, acc1);
+      q4k_group<1>(run, xb + 64 * c + 32, K, sb + 2 * c + 1, xs + 4 * c + 2, dm[2 * c + 1], acc0, acc1);
+    }
+  });
 }
 
 #undef KVGEN_Q6_LOW01
