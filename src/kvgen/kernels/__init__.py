@@ -145,9 +145,9 @@ def prefill_inputs() -> str:
     """What the products of prefills (10 input rows or more) take as inputs, from ``KVGEN_PREFILL_INPUTS``, read at
     each product (its value checked when the kernels load, and here): ``"float32"`` (unset: the default; exact up to
     float32 rounding order) or ``"int16"``: on AVX2 CPUs without AVX-512 VNNI, Q4_K weights' products on inputs
-    rounded to 16 bits a window of 64 values, one column of each window exact (1.10-1.16x faster prefills, logits
-    within 1e-2 of the dequantized float32 run; a row's products then depend on the other rows of its product, so a
-    batch's make-up moves its logits); elsewhere float32.
+    rounded to 16 bits a row's window of 64 values at a time, the window's largest value exact (1.09-1.16x faster
+    prefills, logits within 1e-2 of the dequantized float32 run, a row's the same whatever rows share its product);
+    elsewhere float32.
 
     Example:
         >>> import os

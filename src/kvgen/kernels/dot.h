@@ -28,11 +28,11 @@ namespace kvgen {
 constexpr float XQ_MAX = 127.0f * 16384.0f;
 
 #if defined(KVGEN_DOT2)
-// input rows rounded to 16 bits for AVX2's opt-in Q4_K prefill products (panels16.h's round_x16): each window of 64
-// values' column of the largest magnitude over all rows kept exact (at (K / 64): its place; outlier (RP, K / 64): its
-// values), the window's other values rounded to int16 on the scale of their largest (values (K / 256, RP, 256), the
-// exact column's 0; scale (RP, K / 64)). RP: R rounded up to 6 (rows of zeros). sums: each group of 32 inputs' sum
-// as rounded (RP, K / 32), the exact column's value included
+// input rows rounded to 16 bits for AVX2's opt-in Q4_K prefill products (panels16.h's round_x16): each row's window
+// of 64 values keeps its value of the largest magnitude exact (at (RP, K / 64): its place in the window; outlier (RP,
+// K / 64): the value), its other values rounded to int16 on the scale of their largest (values (K / 256, RP, 256),
+// the exact value's 0; scale (RP, K / 64)). RP: R rounded up to 6 (rows of zeros). sums: each group of 32 inputs'
+// sum as rounded (RP, K / 32), the exact value included
 struct X16 {
   X16() = default;  // (not an aggregate: RoundedX's brace-initializations leave it empty without a warning)
   int64_t R = 0, RP = 0, K = 0;
