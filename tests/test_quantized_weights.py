@@ -400,7 +400,7 @@ def _amx_cpu() -> bool:
 def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
     """Products of 16 input rows or more (prefill) take AMX's tile products where the CPU has them: 16 input rows by 16
     weight rows per instruction, the same exact integer sums as the vpdpbusd products of 1-8 rows, combined by the
-    same code (add_group). So a 35-row product (two tiles of 16 rows and 3 more) equals its rows taken 8 at a time,
+    same code (add_group). So a 35-row product (two tiles of 16 rows and 3 more) equals its rows taken 4 at a time,
     bit for bit, by construction; on CPUs without AMX, the 16-row vpdpbusd products equal the 8-row ones the same
     way, and so do the products of one row. On a CPU with AMX, Linux's permission must have been granted (else every
     prefill silently runs ~1.3x slower)."""
@@ -422,7 +422,7 @@ def test_products_of_many_rows_take_the_same_integer_sums_as_few(name):
         return torch.ops.kvgen.qmatmul(x[first:end].contiguous(), [data], [format])
 
     many = product(0, 35)
-    few = torch.cat([product(i, i + 8) for i in range(0, 35, 8)])
+    few = torch.cat([product(i, i + 4) for i in range(0, 35, 4)])
     # one row at a time (a decode step's product: AVX2 has its own loops for Q4_K and Q6_K) gives the same bits
     one = torch.cat([product(i, i + 1) for i in range(35)])
     assert torch.equal(one, few)
@@ -455,8 +455,8 @@ def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
     16 weight rows once into float32 panels of 256 columns and multiply every row by them: the float32 products of the
     dequantized weight (1e-5 of the sum of the terms' sizes), with a last panel of fewer columns (K = 17 blocks of 32,
     or 3 of 256), two passes of rows (300 = 256 + 44), blocks of 6 rows and their remainders, and tiles split between
-    threads; each row the same bits however many rows come with it. A prefill's products take them too (no
-    dequantized copy of the weight)."""
+    threads; each row the same bits however many rows come with it, from the format's own fewest rows on. A
+    prefill's products take them too (no dequantized copy of the weight)."""
     panel = panel_rows()
     if not panel:
         pytest.skip("products take integer dot products at every row count on this CPU (tested above)")
@@ -471,7 +471,9 @@ def test_float_panels_of_many_rows_give_the_dequantized_products(qtype):
     out = outs[1]
     assert torch.equal(out, outs[2])
     assert ((out.double() - x.double() @ weight.T).abs() <= 1e-5 * (x.double().abs() @ weight.abs().T)).all()
-    for first, end in ((0, panel), (7, 7 + panel + 5), (100, 300)):
+    fewest = panel_rows(format)  # (Q6_K and Q8_0 take the panels from 5 rows, Q4_K from 8)
+    assert fewest <= panel
+    for first, end in ((0, panel), (7, 7 + panel + 5), (100, 300), (3, 3 + fewest)):
         assert torch.equal(torch.ops.kvgen.qmatmul(x[first:end].contiguous(), [data], [format]), out[first:end])
 
 

@@ -180,11 +180,12 @@ def integer_dot_instruction() -> str:
 
 
 @functools.cache
-def panel_rows() -> int:
-    """Input rows from which the integer dot formats' products dequantize each tile once into float32 panels and
+def panel_rows(format: int = 0) -> int:
+    """Input rows from which every integer dot format's products dequantize each tile once into float32 panels and
     multiply them by float32 multiply-adds (AVX2 without AVX-512 VNNI, where those share the pipes with vpmaddubsw and
-    three int8 levels cost more per row); 0 where they never do."""
-    return torch.ops.kvgen.panel_rows() if kernels_available() else 0
+    three int8 levels cost more per row), or given a format's code, from which that format's do (Q6_K and Q8_0 from
+    5 rows, Q4_K from 8, the others from 10); 0 where they never do."""
+    return torch.ops.kvgen.panel_rows(format) if kernels_available() else 0
 
 
 @functools.cache

@@ -269,7 +269,7 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
 #if defined(KVGEN_DOT2)
     if constexpr (std::is_same_v<T, Q4_Kx16>)
       if (rx.x16.R == R) return matmul_q4k_i16(rx.x16, w, (n0 + 15) / 16, (n1 + 15) / 16, y, ldy);
-    if (R >= PANEL_ROWS)
+    if (R >= panel_rows_of<T>())
       return matmul_tiles_panel<T>(x, ldx, R, w, (n0 + 15) / 16, (n1 + 15) / 16, K, y, ldy);
 #endif
     int64_t tile_unit_rows = 0;
@@ -407,11 +407,18 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
       if constexpr (!has_dot<T>()) in.xsums[i] = group_sums<T>(xp, ldx, R, p.K);
     });
 #if defined(KVGEN_DOTS)
-  const bool panels = panel_rows() > 0 && R >= panel_rows();  // (AVX2's float32 panels take x as it is)
-  if (p.rounded && !panels) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
+  bool sums = true;  // whether a segment takes the integer sums, on x's rows rounded
+#if defined(KVGEN_DOT2)
+  sums = false;  // (AVX2's float32 panels take x as it is)
+  for (const auto& seg : p.segments)
+    dispatch(seg.format, [&](auto t) {
+      if constexpr (has_dot<decltype(t)>()) sums = sums || R < panel_rows_of<decltype(t)>();
+    });
+#endif
+  if (p.rounded && sums) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
 #endif
 #if defined(KVGEN_DOT2)
-  if (panels && int16_prefill_inputs() &&
+  if (R >= PANEL_ROWS && int16_prefill_inputs() &&
       std::any_of(p.segments.begin(), p.segments.end(), [](const auto& seg) { return seg.format == 2012; }))
     in.rx.x16 = round_x16(xp, ldx, R, p.K);
 #endif
@@ -471,9 +478,14 @@ std::string integer_dot_instruction() {
 #endif
 }
 
-int64_t panel_rows() {
+int64_t panel_rows(int64_t format) {
 #if defined(KVGEN_DOT2)
-  return PANEL_ROWS;
+  int64_t rows = PANEL_ROWS;
+  if (format != 0)
+    dispatch(format, [&](auto t) {
+      if constexpr (has_dot<decltype(t)>()) rows = panel_rows_of<decltype(t)>();
+    });
+  return rows;
 #else
   return 0;
 #endif

@@ -553,7 +553,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("integer_dot_formats() -> int[]", kvgen::integer_dot_formats);
   m.def("tile_formats() -> int[]", kvgen::tile_formats);
   m.def("integer_dot_instruction() -> str", kvgen::integer_dot_instruction);
-  m.def("panel_rows() -> int", kvgen::panel_rows);
+  m.def("panel_rows(int format=0) -> int", kvgen::panel_rows);
   m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("tile_rows_(Tensor(a!) out, Tensor rows, int format) -> ()");

@@ -15,10 +15,20 @@
 namespace kvgen {
 
 #if defined(KVGEN_DOT2)
-// input rows from which the tiles' products take float32 panels instead of the integer sums (AMD EPYC Zen 3, every
-// layer's copy, 1 / 2 threads, at 10 rows: SmolLM2's Q4_1 1.08-1.19x, its Q8_0 1.35x, Qwen2.5's Q5_0 1.16-1.20x,
-// Q6_K 1.40x, Q4_K 1.23-1.29x; at 8 rows SmolLM2's Q4_1 0.78-0.89x)
+// input rows from which every tile format's products take float32 panels instead of the integer sums (AMD EPYC
+// Zen 3, every layer's copy, 1 / 2 threads, at 10 rows: SmolLM2's Q4_1 1.08-1.19x, its Q8_0 1.35x, Qwen2.5's Q5_0
+// 1.16-1.20x, Q6_K 1.40x, Q4_K 1.23-1.29x; at 8 rows SmolLM2's Q4_1 0.78-0.89x)
 constexpr int64_t PANEL_ROWS = 10;
+// ... and where a format's take them from fewer: Q6_K and Q8_0 from 5 rows (their integer sums cost the most
+// instructions a value), Q4_K from 8. At 5-9 rows, panels over integer sums (`kernels_ab`-style, in turn in one
+// process, Zen 3, 1 / 2 threads): Q8_0 (SmolLM2's output head) 1.21-1.48x, Q6_K and Q4_K layers (Qwen2.5's
+// ffn_down, attn_v) 1.09-1.51x; Q4_K alone 0.80-1.22x at 5-7 rows, 1.01-1.22x at 8-9; Q4_1 and Q5_0 0.84-1.25x
+template <class T>
+constexpr int64_t panel_rows_of() {
+  if constexpr (std::is_same_v<T, Q6_Kx16> || std::is_same_v<T, Q8_0x16>) return 5;
+  if constexpr (std::is_same_v<T, Q4_Kx16>) return 8;
+  return PANEL_ROWS;
+}
 // columns of a panel: 256 x 16 float32 (16 kB) stay in L1 beside the input rows' share
 constexpr int64_t PANEL_COLUMNS = 256;
 
@@ -111,9 +121,8 @@ __attribute__((noinline)) void matmul_tiles_panel(const float* x, int64_t ldx, i
         for (int64_t l = 0; l < blocks * TB; l += 64) __builtin_prefetch(tile + nb * TB + l);  // the next tile's
         for (int64_t b = 0; b < blocks; ++b) panel_block<T>(tile + b * TB, panel + 16 * QK * b);
         for (int64_t r = 0, rb; r < rows; r += rb) {
-          // blocks of 6 rows, the last two of 7-11 split evenly: 4 rows keep 8 chains of FMAs in flight, 2 only 4
-          const int64_t left = rows - r;
-          rb = left > 6 && left < 12 ? (left + 1) / 2 : std::min<int64_t>(6, left);
+          // blocks of 6 rows, then the rest (7 rows as 6 + 1 and 8 as 6 + 2 ran 1.0-1.15x 4 + 3 and 4 + 4)
+          rb = std::min<int64_t>(6, rows - r);
           const float* xr = x + (r0 + r) * ldx + b0 * QK;
           switch (rb) {
             case 1: panel_product<1>(panel, kc, xr, ldx, acc + 16 * r); break;

@@ -8,10 +8,10 @@ in tiles of 16 rows take exact integer dot products of their stored values with 
 and a sign per block of 32 values (at most 2^-22 of the block's largest value off): 1.4-1.8x faster per
 thread than widening every value to float32; so do kvgen's int8 and int4 weights (quantized at load). With AVX2
 alone, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K and Q8_0 tiles take the same sums by vpmaddubsw (Zen 3: 1.0-1.6x at 1 and 4
-rows) for up to 9 rows; from :func:`~kvgen.kernels.panel_rows` (10) rows on, each tile is dequantized once into
-float32 panels multiplied by float32 multiply-adds, which share vpmaddubsw's two pipes on Zen 3 (16 rows 1.15-1.45x,
-64 rows 1.3-1.75x the integer sums over SmolLM2's and Qwen2.5's layers, 2 threads), prefills included (1.1-1.6x
-dequantize + oneDNN at 128-512 rows: :func:`any_rows_formats`). Where the CPU has AMX (Intel's
+rows) for up to 9 rows (Q6_K and Q8_0: 4, Q4_K: 7); from :func:`~kvgen.kernels.panel_rows` rows on, each tile is
+dequantized once into float32 panels multiplied by float32 multiply-adds, which share vpmaddubsw's two pipes on Zen
+3 (16 rows 1.15-1.45x, 64 rows 1.3-1.75x the integer sums over SmolLM2's and Qwen2.5's layers, 2 threads), prefills
+included (1.1-1.6x dequantize + oneDNN at 128-512 rows: :func:`any_rows_formats`). Where the CPU has AMX (Intel's
 tile unit), products of 16 rows or more take the same integer sums 16 input rows by 16 weight rows per instruction,
 the same bits, and BF16 weights take AMX's bfloat16 products with the rows split exactly into three bfloat16 parts
 (:func:`~kvgen.kernels.tile_formats`).
