@@ -5,8 +5,8 @@
 // (formats 2000 + the format) put 16 rows' values in the lanes instead (matmul_tiles); with AVX-512 VNNI they take
 // integer dot products of their stored values with x rounded to 21 bits per block of 32 (matmul_tiles_dot); with
 // AMX, products of 16 rows or more take the same sums 16 x 16 at a time, and BF16 weights AMX's bfloat16 products
-// (amx.h). With AVX2 alone, those of PANEL_ROWS rows or more dequantize each tile once into float32 panels
-// (panels2.h).
+// (amx.h). With AVX2 alone, those of PANEL_ROWS rows or more (Q6_K, Q8_0 and Q4_K from fewer: panel_rows_of)
+// dequantize each tile once into float32 panels (panels2.h).
 #include "dot.h"
 
 #include <algorithm>
