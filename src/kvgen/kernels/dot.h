@@ -112,7 +112,7 @@ std::vector<int64_t> integer_dot_formats();
 std::string integer_dot_instruction();
 
 // the input rows from which every integer dot format's products take float32 panels (AVX2: panels2.h), or with a
-// format's code, from which that format's do (Q6_K and Q8_0 from fewer); 0 where none does
+// format's code, from which that format's do (Q6_K, Q8_0 and Q4_K from fewer: panel_rows_of); 0 where none does
 int64_t panel_rows(int64_t format = 0);
 
 // the formats whose products of 16 input rows or more take AMX's tile products (the integer dot formats' sums 16 x 16
