@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 from pathlib import Path
 
 import gguf
@@ -104,7 +105,10 @@ def transformers_gguf_tokenizer(path: Path):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     partial = folder.with_name(f"tokenizer.{os.getpid()}.tmp")
     tokenizer.save_pretrained(partial)
-    partial.rename(folder)
+    try:
+        partial.rename(folder)
+    except OSError:  # another session kept it first
+        shutil.rmtree(partial)
     return tokenizer
 
 
