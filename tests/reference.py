@@ -3,9 +3,9 @@
 transformers reads a GGUF with gguf-py: every call parses the whole file again (8-9 s for SmolLM2's 49k-token
 vocabulary on 2 cores, more for Gemma 3's 262k) and builds gguf's tensor-name map again for each tensor (~13 s a
 load). Here each file is parsed once and each name map built once, for all of transformers' calls; what
-transformers computes from them (config, dequantized tensors, tokenizer) is its own, unchanged. Its config and
-tensors are also kept on disk (:func:`transformers_gguf`), keyed by the file and transformers' version: Gemma 3's
-took ~44 s a session to compute, ~1 s to read back.
+transformers computes from them (config, dequantized tensors, tokenizer) is its own, unchanged. Those are also
+kept on disk, keyed by the file and transformers' version: Gemma 3's took ~70 s a session to compute, ~6 s to read
+back.
 
     config, tensors = transformers_gguf(path)          # as load_gguf_checkpoint(return_tensors=True) gives them
     tokenizer = transformers_gguf_tokenizer(path)       # AutoTokenizer.from_pretrained(folder, gguf_file=name)
