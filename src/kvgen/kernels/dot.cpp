@@ -285,10 +285,7 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
 #if defined(KVGEN_DOT8)
         rows = R - r >= 16 ? 16 : std::min<int64_t>(8, R - r);
 #else
-        // Q6_K: the one-row assembly for each row (rows2.h). Below its panels (1-4 rows) it ran 1.12-1.37x the
-        // intrinsics at 2 rows and 1.01-1.08x at 3-4 (Qwen2.5-1.5B's output head and ffn_down from memory, 1 / 2
-        // threads, AMD EPYC Zen 3, kernels_ab.py); Q4_K's did not differ from them (0.87-1.11x, the noise)
-        rows = std::is_same_v<T, Q6_Kx16> ? 1 : std::min<int64_t>(4, R - r);
+        rows = std::min<int64_t>(4, R - r);
 #endif
         switch (rows) {
           case 1: matmul_tiles_dot<T, 1>(rx, r, w, t0, t, yr, ldy); break;

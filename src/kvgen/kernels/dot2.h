@@ -5,8 +5,9 @@
 // vpdpbusd's. Against the float32 products of the same tiles (dot.cpp's matmul_tiles; AMD EPYC Zen 3, Qwen2.5's
 // layers, one process alternating): Q4_K 1.0-1.3x, Q6_K 1.2-1.6x and Q5_0 1.3-1.4x at 1 row, 1.1-1.6x at 4; at 2 rows
 // Q4_K 0.82-0.95x (its registers spill), Q5_0 1.3-1.5x. (Parts of 16 values of 8 rows at a time, 4 registers of u,
-// ran 0.7-1.0x these.) One input row (a decode step) of Q4_K and Q6_K takes loops of its own, a group at a time
-// (rows2.h's matmul_q4k_row and matmul_q6k_row); Q8_0's signed bytes one of their own for any rows (matmul_q8_0).
+// ran 0.7-1.0x these.) One input row (a decode step) of Q4_K takes a loop of its own, a group at a time (rows2.h's
+// matmul_q4k_row), and so does each input row of Q6_K (matmul_q6k_row); Q8_0's signed bytes one of their own for any
+// rows (matmul_q8_0).
 // Included by dot.cpp.
 #pragma once
 
@@ -145,17 +146,16 @@ __attribute__((noinline)) void matmul_q8_0(const RoundedX& x, int64_t r0, const 
 
 // y[r, 16 t + i] for tiles t0..t1 and rows r0 .. r0 + R - 1 of the rounded input
 template <class T, int R>
-  requires(!std::is_same_v<T, Q8_0x16>)
+  requires(!std::is_same_v<T, Q8_0x16> && !std::is_same_v<T, Q6_Kx16>)
 __attribute__((noinline)) void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
                                                 int64_t t1, float* y, int64_t ldy) {
   constexpr int QK = T::Gguf::QK, PARTS = T::GROUP / 16;
   constexpr int64_t TB = 16 * T::Gguf::BYTES;
-  // vpmaddubsw's 16-bit lanes: 2 u * X of at most CODE_MAX * 127 each; SUMS of them fit in int16 (Q4: 8, Q6_K: 2)
+  // vpmaddubsw's 16-bit lanes: 2 u * X of at most CODE_MAX * 127 each; SUMS of them fit in int16 (Q4: 8)
   constexpr int SUMS = std::min(4, 32767 / (2 * T::CODE_MAX * 127));
   constexpr int16_t LEVEL[3] = {1 << 14, 1 << 7, 1};  // the levels' weights in X
   const int64_t K = x.K, nb = K / QK;
   if constexpr (R == 1 && std::is_same_v<T, Q4_Kx16>) return matmul_q4k_row(x, r0, w, t0, t1, y);
-  if constexpr (R == 1 && std::is_same_v<T, Q6_Kx16>) return matmul_q6k_row(x, r0, w, t0, t1, y);
   const int8_t* levels = x.levels.data() + r0 * 3 * K;
   for (int64_t t = t0; t < t1; ++t) {
     const uint8_t* tile = w + t * nb * TB;
@@ -202,6 +202,16 @@ template <class T, int R>
   requires std::is_same_v<T, Q8_0x16>
 void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
   matmul_q8_0<R>(x, r0, w, t0, t1, y, ldy);
+}
+
+// the same for Q6_K's tiles: the one-row assembly for each row, over the caller's run of tiles (from L2 after the
+// first row). At 2 rows it ran 1.12-1.37x the intrinsics above, at 3-4 rows 1.01-1.08x (Qwen2.5-1.5B's output head
+// and ffn_down from memory, 1 / 2 threads, AMD EPYC Zen 3, kernels_ab.py); Q4_K's did not differ from them
+// (0.87-1.11x, the noise), nor did Q4_1's and Q5_0's (0.66-0.95x, their intrinsics for one row)
+template <class T, int R>
+  requires std::is_same_v<T, Q6_Kx16>
+void matmul_tiles_dot(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0, int64_t t1, float* y, int64_t ldy) {
+  for (int r = 0; r < R; ++r) matmul_q6k_row(x, r0 + r, w, t0, t1, y + r * ldy);
 }
 #endif
 
