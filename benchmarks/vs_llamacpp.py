@@ -27,8 +27,9 @@ Q4_K_M or Q8_0 by ``llama-quantize`` (``qwen2.5-1.5b:q4_k_m``; ``model_files.py`
 ``--baseline SRC`` adds a third side: the kvgen of another source tree (a ``git worktree`` of main), whose worker
 runs in each round beside this one's, so a change is measured before and after in one run (``baseline_ratio``).
 ``--reps`` sets the timed repetitions (3, as llama-bench's ``-r 3``; 1 for the 7-8B models' long prefills).
-``KVGEN_PREFILL_INPUTS=int16`` in the environment has kvgen's workers prefill Q4_K on 16-bit inputs (AVX2; each
-row records its ``prefill_inputs``).
+kvgen's prefills are marked as a prompt's rows, as ``generate()`` marks them (``kvgen.kernels.prompt_rows``: AVX2's
+Q4_K products on 16-bit inputs); ``KVGEN_PREFILL_INPUTS=float32`` in the environment keeps them exact (each row
+records its ``prefill_inputs``).
 
 kvgen's decode is also put against the roofline: the bytes one step reads (stored weights,
 plus the keys and values attended to) over the rate at which the worker reads a buffer of as many
@@ -160,6 +161,7 @@ def kvgen_worker(model: str, threads: int) -> dict:
     from kvgen import AutoModelForCausalLM, DynamicCache
     from kvgen.bench import peak_rss_mb
     from kvgen.kernels import prefill_inputs
+    from kvgen.kernels.prompt_rows import prompt_rows
 
     start = time.perf_counter()
     m = AutoModelForCausalLM.from_pretrained(model)
@@ -175,8 +177,10 @@ def kvgen_worker(model: str, threads: int) -> dict:
     with torch.no_grad():
         # as llama-bench: one untimed prefill of the whole prompt (compiled blocks, scratch buffers, page faults),
         # then REPS timed ones, each into a fresh cache, reported as the mean of their rates (its avg_ts)
-        m(ids, past_key_values=DynamicCache(), logits_to_keep=1)
-        rates = [PROMPT / _timed(lambda: m(ids, past_key_values=DynamicCache(), logits_to_keep=1)) for _ in range(REPS)]
+        with prompt_rows(PROMPT):  # (generate()'s prefill: a prompt's rows)
+            m(ids, past_key_values=DynamicCache(), logits_to_keep=1)
+            rates = [PROMPT / _timed(lambda: m(ids, past_key_values=DynamicCache(), logits_to_keep=1))
+                     for _ in range(REPS)]
         result["prefill_tok_s"] = statistics.mean(rates)
         probe = None
         for batch in sorted(BATCHES, reverse=True):

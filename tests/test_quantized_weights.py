@@ -25,6 +25,7 @@ from gguf.constants import GGML_QUANT_SIZES
 import kvgen
 from kvgen.kernels import (integer_dot_formats, integer_dot_instruction, kernels_available, panel_rows,
                            prefill_inputs, unavailable_reason)
+from kvgen.kernels.prompt_rows import prompt_rows, rows_kind
 from kvgen.loading.gguf_file import read_gguf_header
 from kvgen.models.packed import TILED, TILED_HEADS, PackedWeight, dequantize_on_device, row_bytes, tile_rows, untile_rows
 from kvgen.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
@@ -340,9 +341,9 @@ DOT_WEIGHTS = {**{q.name: q for q in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q8_0, Q.Q4_K, Q.
 
 
 def _rounded16(x: torch.Tensor) -> torch.Tensor:
-    """x (rows, K) as AVX2's Q4_K prefill products take it under KVGEN_PREFILL_INPUTS=int16: in each row's window of
-    64 values, the value of the largest magnitude (the first such) exact, the window's other values rounded to int16
-    on the scale of their largest (float32 arithmetic, ties to even)."""
+    """x (rows, K) as AVX2's Q4_K products of a prompt's rows take it: in each row's window of 64 values, the value of
+    the largest magnitude (the first such) exact, the window's other values rounded to int16 on the scale of their
+    largest (float32 arithmetic, ties to even)."""
     rows, k = x.shape
     w = x.reshape(rows, k // 64, 64)
     exact = torch.zeros_like(w, dtype=torch.bool).scatter_(-1, w.abs().argmax(-1, keepdim=True), True)
@@ -351,39 +352,46 @@ def _rounded16(x: torch.Tensor) -> torch.Tensor:
     return torch.where(exact, w, torch.round(w * inv) * (top / 32767.0)).reshape(rows, k)
 
 
-def test_q4_k_prefill_products_take_16_bit_inputs_when_asked(monkeypatch):
-    """KVGEN_PREFILL_INPUTS=int16: where products of panel_rows() input rows or more take float32 panels (AVX2
-    without AVX-512 VNNI), Q4_K's take x rounded as _rounded16 says, exact but for float32 rounding (the int32 sums of
-    a window are exact: a few roundings a window, 1e-6 of the products' magnitude), each row's the same bits whatever
-    the other rows (the same operations on the same values); elsewhere, and for fewer rows, the variable changes no
-    bit. A NaN input gives its row NaN and no other; other values are refused."""
+def test_q4_k_products_of_prompt_rows_take_16_bit_inputs(monkeypatch):
+    """Products of a prompt's rows (qmatmul's ``prompt``): where AVX2 without AVX-512 VNNI has the route
+    (panel_rows() > 0), Q4_K's take x rounded as _rounded16 says, whatever the number of rows, exact but for float32
+    rounding (the int32 sums of a window are exact: a few roundings a window, 1e-6 of the products' magnitude), each
+    row's the same bits whatever the other rows (the same operations on the same values); KVGEN_PREFILL_INPUTS=float32
+    and other CPUs: the exact product, as for rows of generated tokens. A NaN input gives its row NaN and no other;
+    other values of the variable are refused."""
     rows = PackedWeight([(int(Q.Q4_K), torch.from_numpy(np.ascontiguousarray(random_raw(Q.Q4_K, 48, 512))))], 512)
     ((format, data),) = tile_rows(rows).segments
     weight = rows.dequantize().double()
     generator = torch.Generator().manual_seed(7)
-    for count, scale in ((3, 1.0), (10, 1.0), (11, 1e-3), (64, 300.0)):
+    sixteen = panel_rows() > 0 and format in integer_dot_formats()
+    monkeypatch.delenv("KVGEN_PREFILL_INPUTS", raising=False)
+    assert prefill_inputs() == ("int16" if sixteen else "float32")
+    for count, scale in ((1, 1.0), (3, 1.0), (10, 1.0), (11, 1e-3), (64, 300.0)):
         x = torch.randn(count, 512, generator=generator) * scale
         x[:, 5] *= 50  # an outlier column
         x[0, 64:128] = 0  # a window of zeros
-        x[1, 128:192] = 0
-        x[1, 130] = 2.0  # a window of one value
-        monkeypatch.delenv("KVGEN_PREFILL_INPUTS", raising=False)
+        if count > 1:
+            x[1, 128:192] = 0
+            x[1, 130] = 2.0  # a window of one value
         exact = torch.ops.kvgen.qmatmul(x, [data], [format])
-        monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "int16")
-        got = torch.ops.kvgen.qmatmul(x, [data], [format])
-        if panel_rows() and count >= panel_rows() and format in integer_dot_formats():
+        assert torch.equal(torch.ops.kvgen.qmatmul(x, [data], [format], False), exact)
+        got = torch.ops.kvgen.qmatmul(x, [data], [format], True)
+        if sixteen:
             taken = _rounded16(x).double()
             magnitude = taken.abs() @ weight.abs().T
             assert ((got.double() - taken @ weight.T).abs() <= 1e-6 * magnitude).all()
             assert not ((exact.double() - taken @ weight.T).abs() <= 1e-6 * magnitude).all()  # x itself: farther
         else:
             assert torch.equal(got, exact)
-    if panel_rows() and format in integer_dot_formats():  # a row's products whatever the product's other rows
-        others = torch.randn(20, 512, generator=generator) * 100.0
-        mixed = torch.ops.kvgen.qmatmul(torch.cat([others[:7], x, others[7:]]), [data], [format])
-        assert torch.equal(mixed[7:7 + len(x)], got)
+        monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "float32")
+        assert prefill_inputs() == "float32"
+        assert torch.equal(torch.ops.kvgen.qmatmul(x, [data], [format], True), exact)
+        monkeypatch.delenv("KVGEN_PREFILL_INPUTS")
+    others = torch.randn(20, 512, generator=generator) * 100.0  # a row's products whatever the product's other rows
+    mixed = torch.ops.kvgen.qmatmul(torch.cat([others[:7], x, others[7:]]), [data], [format], True)
+    assert torch.equal(mixed[7:7 + len(x)], got)
     x[3, 7] = float("nan")
-    y = torch.ops.kvgen.qmatmul(x, [data], [format])
+    y = torch.ops.kvgen.qmatmul(x, [data], [format], True)
     assert y[3].isnan().all() and y[torch.arange(len(x)) != 3].isfinite().all()
     monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "int8")
     with pytest.raises(ValueError, match="KVGEN_PREFILL_INPUTS is 'int8'"):
@@ -752,7 +760,7 @@ def test_beam_search_forks_and_saved_caches_on_quantized_weights(smollm_pair, tm
                        quantized(torch.tensor([[42]]), past_key_values=cache).logits)
 
 
-def test_gemma3_quantized_matches_dequantized_on_a_long_prompt(gemma3_gguf, monkeypatch):
+def test_gemma3_quantized_matches_dequantized_on_a_long_prompt(gemma3_gguf):
     quantized = kvgen.AutoModelForCausalLM.from_pretrained(gemma3_gguf)
     reference = kvgen.AutoModelForCausalLM.from_pretrained(gemma3_gguf, dtype=torch.float32)
     tokenizer = kvgen.AutoTokenizer.from_pretrained(gemma3_gguf)
@@ -764,10 +772,10 @@ def test_gemma3_quantized_matches_dequantized_on_a_long_prompt(gemma3_gguf, monk
     assert worst < 1e-3, worst
     out = [m.generate(ids, max_new_tokens=20) for m in (quantized, reference)]
     assert torch.equal(out[0], out[1])
-    # prefills on 16-bit inputs where asked (AVX2): Gemma's residual stream has the largest outliers of the packaged
-    # models (5.3e-3 over 512 tokens of KJV; Qwen2.5-Coder-0.5B 5.1e-4), within the 1e-2 that prefills may take
-    monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "int16")
-    with torch.no_grad():
+    # a prompt's rows on 16-bit inputs (AVX2, generate()'s prefills): Gemma's residual stream has the largest outliers
+    # of the packaged models (5.3e-3 over 512 tokens of KJV; Qwen2.5-Coder-0.5B 5.1e-4), within the 1e-2 that
+    # prefills may take
+    with torch.no_grad(), prompt_rows(ids.numel()):
         assert (quantized(ids).logits - reference(ids).logits).abs().max() < 1e-2
 
 

@@ -22,6 +22,7 @@ from kvgen.generation.search import BeamSearch, choose_next_tokens
 from kvgen.generation.speculative import make_drafter, speculative_decode
 from kvgen.generation.stopping import MaxTime, StopStrings
 from kvgen.grammar import GrammarLogitsProcessor, response_grammar
+from kvgen.kernels.prompt_rows import prompt_rows
 from kvgen.models.decode_blocks import blocks_compiled, eager_blocks, runs_fused
 from kvgen.outputs import GenerateBeamDecoderOnlyOutput, GenerateDecoderOnlyOutput
 
@@ -296,13 +297,17 @@ class GenerationMixin:
                 tuple(logits_out) if config.output_logits else None)
 
     def _prefill(self, input_ids, attention_mask, position_ids, cache: Cache | None, seen: int) -> torch.Tensor:
-        """Logits (B, 1, V) after the prompt, feeding the cache the ``input_ids`` it has not seen (from ``seen``)."""
+        """Logits (B, 1, V) after the prompt, feeding the cache the ``input_ids`` it has not seen (from ``seen``): rows
+        of a prompt's tokens (:mod:`kvgen.kernels.prompt_rows`)."""
         if cache is None:
-            return self(input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=False, logits_to_keep=1).logits
-        return self(input_ids[:, seen:], attention_mask=attention_mask, position_ids=position_ids[:, seen:],
-                    past_key_values=cache, cache_position=torch.arange(seen, input_ids.shape[1], device=input_ids.device),
-                    use_cache=True, logits_to_keep=1).logits
+            with prompt_rows(input_ids.numel()):
+                return self(input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=False, logits_to_keep=1).logits
+        with prompt_rows(input_ids[:, seen:].numel()):
+            return self(input_ids[:, seen:], attention_mask=attention_mask, position_ids=position_ids[:, seen:],
+                        past_key_values=cache,
+                        cache_position=torch.arange(seen, input_ids.shape[1], device=input_ids.device),
+                        use_cache=True, logits_to_keep=1).logits
 
     def _beam_decode(self, input_ids, attention_mask, cache, seen: int, config: GenerationConfig, max_length: int,
                      processors):

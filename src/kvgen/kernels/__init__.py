@@ -11,7 +11,7 @@ The sources are split by idea, as llama.cpp's CPU backend is:
 * ``dot.h``, ``dot.cpp``, ``dot2.h``, ``rows2.h``, ``amx.h``: the matrix products (rows, tiles, integer dot
   products: AVX-512 VNNI, AVX2 and its one-row Q4_K and Q6_K products in assembly, Intel's tile unit);
   ``panels2.h``, ``panels16.h``: AVX2's prefill products on float32 panels, and
-  Q4_K's on 16-bit inputs where ``KVGEN_PREFILL_INPUTS=int16`` asks (:func:`prefill_inputs`);
+  Q4_K's of a prompt's rows on 16-bit inputs (:func:`prefill_inputs`, :mod:`kvgen.kernels.prompt_rows`);
 * ``kv_rows.h``, ``kv_rows.cpp``: how a KV cache stores keys and values (float32, float16, bfloat16, int8 rows
   with their scales), rows turned into float32 and back;
 * ``attention.h``, ``attention.cpp``: attention over dense and paged keys and values, read as stored;
@@ -118,7 +118,7 @@ def _load() -> str | None:
     """Build (if needed) and load the kernels; None on success, else why they are unavailable. A wrong
     ``KVGEN_PREFILL_INPUTS`` raises here, where the kernels load, not in :func:`kernels_available`, which the models'
     fused ops ask at every call (a check there made it 1.25 us a call instead of 0.05)."""
-    prefill_inputs()
+    _check_prefill_inputs()
     if os.environ.get("KVGEN_DISABLE_KERNELS", "") not in ("", "0"):
         return "KVGEN_DISABLE_KERNELS is set"
     try:
@@ -127,7 +127,7 @@ def _load() -> str | None:
             _build(path)
         torch.ops.load_library(str(path))
         torch.library.register_fake("kvgen::qmatmul")(  # shapes for torch.compile
-            lambda x, ws, formats: x.new_empty(x.shape[0], sum(w.shape[0] for w in ws)))
+            lambda x, ws, formats, prompt=False: x.new_empty(x.shape[0], sum(w.shape[0] for w in ws)))
     except Exception as error:  # no compiler, read-only cache, a compiler error: fall back, say why
         return str(error)
     return None
@@ -138,27 +138,33 @@ def kernels_available() -> bool:
     return _load() is None
 
 
-PREFILL_INPUTS = ("float32", "int16")
+PREFILL_INPUTS = ("int16", "float32")
+
+
+def _check_prefill_inputs() -> str:
+    """``KVGEN_PREFILL_INPUTS`` checked: ``"int16"`` (unset: the default) or ``"float32"``."""
+    value = os.environ.get("KVGEN_PREFILL_INPUTS", "") or "int16"
+    if value not in PREFILL_INPUTS:
+        raise ValueError(f"KVGEN_PREFILL_INPUTS is {value!r}: set it to 'int16' (the default: AVX2's Q4_K products of "
+                         "prompt rows on 16-bit inputs, logits within 1e-2) or 'float32' (every product exact up to "
+                         "rounding order), or unset it")
+    return value
 
 
 def prefill_inputs() -> str:
-    """What the products of prefills (10 input rows or more) take as inputs, from ``KVGEN_PREFILL_INPUTS``, read at
-    each product (its value checked when the kernels load, and here): ``"float32"`` (unset: the default; exact up to
-    float32 rounding order) or ``"int16"``: on AVX2 CPUs without AVX-512 VNNI, Q4_K weights' products on inputs
-    rounded to 16 bits a row's window of 64 values at a time, the window's largest value exact (1.09-1.16x faster
-    prefills, logits within 1e-2 of the dequantized float32 run, a row's the same whatever rows share its product);
-    elsewhere float32.
+    """What the products of a prompt's rows (:mod:`kvgen.kernels.prompt_rows`) take as inputs, from
+    ``KVGEN_PREFILL_INPUTS``, read at each product (checked when the kernels load, and here). ``"int16"``, the default
+    on AVX2 CPUs without AVX-512 VNNI: Q4_K weights' products on inputs rounded to 16 bits a row's window of 64 values
+    at a time, the window's largest value exact (1.09-1.16x faster prefills; logits within 1e-2 of the dequantized
+    float32 run; a row's the same whatever rows share its product). ``"float32"`` elsewhere, or where
+    ``KVGEN_PREFILL_INPUTS=float32`` asks: exact up to float32 rounding order, as every other product is.
 
     Example:
         >>> import os
-        >>> os.environ["KVGEN_PREFILL_INPUTS"] = "int16"  # doctest: +SKIP
+        >>> os.environ["KVGEN_PREFILL_INPUTS"] = "float32"  # doctest: +SKIP
     """
-    value = os.environ.get("KVGEN_PREFILL_INPUTS", "") or "float32"
-    if value not in PREFILL_INPUTS:
-        raise ValueError(f"KVGEN_PREFILL_INPUTS is {value!r}: set it to 'float32' (the default: prefills' products "
-                         "exact up to rounding order) or 'int16' (AVX2's Q4_K prefill products on 16-bit inputs, "
-                         "logits within 1e-2), or unset it")
-    return value
+    value = _check_prefill_inputs()
+    return value if panel_rows() > 0 else "float32"
 
 
 def unavailable_reason() -> str | None:

@@ -268,7 +268,7 @@ void matmul_range(const float* x, int64_t ldx, int64_t R, const float* xsum, con
     // (with AMX: all but the last R % 16 rows in tiles of 16 by 16)
 #if defined(KVGEN_DOT2)
     if constexpr (std::is_same_v<T, Q4_Kx16>)
-      if (rx.x16.R == R) return matmul_q4k_i16(rx.x16, w, (n0 + 15) / 16, (n1 + 15) / 16, y, ldy);
+      if (R > 0 && rx.x16.R == R) return matmul_q4k_i16(rx.x16, w, (n0 + 15) / 16, (n1 + 15) / 16, y, ldy);
     if (R >= panel_rows_of<T>())
       return matmul_tiles_panel<T>(x, ldx, R, w, (n0 + 15) / 16, (n1 + 15) / 16, K, y, ldy);
 #endif
@@ -391,15 +391,17 @@ Product make_product(std::vector<Product::Segment> segments, int64_t K) {
   return p;
 }
 
+// KVGEN_PREFILL_INPUTS, read at each product (kvgen.kernels checks its value when it loads the kernels)
+bool prefill_inputs_16bit() {
 #if defined(KVGEN_DOT2)
-// KVGEN_PREFILL_INPUTS=int16, read at each product (kvgen.kernels checks its value when it loads the kernels)
-static bool int16_prefill_inputs() {
   const char* v = std::getenv("KVGEN_PREFILL_INPUTS");
-  return v != nullptr && std::strcmp(v, "int16") == 0;
-}
+  return v == nullptr || *v == 0 || std::strcmp(v, "int16") == 0;
+#else
+  return false;
 #endif
+}
 
-ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R) {
+ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R, bool prompt) {
   ProductInput in{xp, ldx, R, std::vector<std::vector<float>>(p.segments.size()), {}};
   for (size_t i = 0; i < p.segments.size(); ++i)
     dispatch(p.segments[i].format, [&](auto t) {
@@ -418,7 +420,8 @@ ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64
   if (p.rounded && sums) in.rx = round_x(xp, ldx, R, p.K, p.biased, amx_rows(R));
 #endif
 #if defined(KVGEN_DOT2)
-  if (R >= PANEL_ROWS && int16_prefill_inputs() &&
+  // (whatever their count: a prompt's rows take the same numerics however it is split into chunks)
+  if (prompt && prefill_inputs_16bit() &&
       std::any_of(p.segments.begin(), p.segments.end(), [](const auto& seg) { return seg.format == 2012; }))
     in.rx.x16 = round_x16(xp, ldx, R, p.K);
 #endif
@@ -453,8 +456,8 @@ int64_t product_piece(const Product& p, int64_t threads) {
 // Pieces claimed in turn, as the decode stack's products take them, measured and not taken: Qwen2.5-1.5B's Q6_K output
 // head and ffn_down alone 1.13x / 1.10x at 2 threads on a busy 2-core Zen 3 VM (`kernels_ab.py`), but whole decode
 // steps and prefills 0.98-1.01x in one process when it was quiet (SmolLM2, Coder-0.5B, Qwen2.5-1.5B)
-void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp) {
-  const ProductInput in = product_input(p, xp, ldx, R);
+void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp, bool prompt) {
+  const ProductInput in = product_input(p, xp, ldx, R, prompt);
   parallel_for(0, p.N, product_grain(p), [&](int64_t n0, int64_t n1) { product_rows(p, in, n0, n1, yp); });
 }
 

@@ -28,7 +28,7 @@ namespace kvgen {
 constexpr float XQ_MAX = 127.0f * 16384.0f;
 
 #if defined(KVGEN_DOT2)
-// input rows rounded to 16 bits for AVX2's opt-in Q4_K prefill products (panels16.h's round_x16): each row's window
+// input rows rounded to 16 bits for AVX2's Q4_K products of prompt rows (panels16.h's round_x16): each row's window
 // of 64 values keeps its value of the largest magnitude exact (at (RP, K / 64): its place in the window; outlier (RP,
 // K / 64): the value), its other values rounded to int16 on the scale of their largest (values (K / 256, RP, 256),
 // the exact value's 0; scale (RP, K / 64)). RP: R rounded up to 6 (rows of zeros). sums: each group of 32 inputs'
@@ -79,7 +79,9 @@ struct Product {
 Product make_product(std::vector<Product::Segment> segments, int64_t K);
 
 // A product's input rows (R of K values, ldx apart), prepared once for all its output rows: their sums
-// per group (formats with a min and no integer dot products) and their rounding (formats with them).
+// per group (formats with a min and no integer dot products) and their rounding (formats with them). `prompt`: the
+// rows feed a prompt's tokens, whose products may trade exactness for speed (logits within 1e-2 of the float32 run:
+// AVX2's Q4_K products on 16-bit inputs, prefill_inputs_16bit); else each product is exact up to float32 rounding
 struct ProductInput {
   const float* x;
   int64_t ldx, R;
@@ -89,7 +91,7 @@ struct ProductInput {
   Written<uint16_t> parts;
 };
 
-ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R);
+ProductInput product_input(const Product& p, const float* xp, int64_t ldx, int64_t R, bool prompt = false);
 
 // output rows n0..n1 of y (R, N), each segment's rows read where they are stored
 void product_rows(const Product& p, const ProductInput& in, int64_t n0, int64_t n1, float* yp);
@@ -101,8 +103,12 @@ int64_t product_grain(const Product& p);
 // thread, at least product_grain): a thread that runs slower (a VM's busier core) takes fewer
 int64_t product_piece(const Product& p, int64_t threads);
 
-// y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel
-void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp);
+// y (R, N) = x (R, K, rows ldx apart) times the product's weight, output rows in parallel (prompt: product_input's)
+void product_into(const Product& p, const float* xp, int64_t ldx, int64_t R, float* yp, bool prompt = false);
+
+// whether products of prompt rows take 16-bit inputs on this CPU (AVX2 without AVX-512 VNNI) under the environment's
+// KVGEN_PREFILL_INPUTS (unset or "int16": they do; "float32": they do not)
+bool prefill_inputs_16bit();
 
 // the formats whose products take integer dot products on this CPU (AVX-512 VNNI; AVX2: the 4-6-bit tiles and Q8_0),
 // else none

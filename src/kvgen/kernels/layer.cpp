@@ -189,10 +189,12 @@ void gated_rows(const float* g, int64_t R, int64_t I, int64_t act, float* mp) {
 
 int64_t mlp_scratch_floats(const MlpWeights& w, int64_t R) { return R * (2 * w.hidden + 3 * w.I); }
 
-void decoder_mlp(const MlpWeights& w, const float* x, const float* attn, int64_t R, float* scratch, float* out) {
+void decoder_mlp(const MlpWeights& w, const float* x, const float* attn, int64_t R, float* scratch, float* out,
+                 bool prompt) {
   float *const h = scratch, *const normed = h + R * w.hidden, *const gu = normed + R * w.hidden;
   mlp_rows(w, x, attn, R, {h, gu, out, h, normed, gu + 2 * R * w.I}, out,
-           [&](const Product& p, const float* in, int64_t ldx, float* y) { product_into(p, in, ldx, R, y); }, [] {});
+           [&](const Product& p, const float* in, int64_t ldx, float* y) { product_into(p, in, ldx, R, y, prompt); },
+           [] {});
 }
 
 // rows shared by the threads: q/k/v (width), q and attention (H D), o and down (hidden), gate/up (2 I), the new

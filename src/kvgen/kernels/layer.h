@@ -51,8 +51,9 @@ int64_t mlp_scratch_floats(const MlpWeights& w, int64_t R);
 // h = x + post_attention(attn @ o^T); out = h + post_feedforward((act(g) * u) @ down^T) with
 // [g, u] = pre_feedforward(h) @ gate_up^T. act: 0 SiLU, 1 GELU (tanh). The post norms are Gemma's
 // sandwich norms (absent for Llama); every norm scales by weight + offset (Gemma: 1). x and out (R, hidden),
-// attn (R, o's input features).
-void decoder_mlp(const MlpWeights& w, const float* x, const float* attn, int64_t R, float* scratch, float* out);
+// attn (R, o's input features). prompt: the rows feed a prompt's tokens (dot.h's product_input)
+void decoder_mlp(const MlpWeights& w, const float* x, const float* attn, int64_t R, float* scratch, float* out,
+                 bool prompt = false);
 
 // A decode stack's weights, registered once (kvgen::decoder_stack) and named by an id in each step's
 // kvgen::decoder_layers, rather than the ~300 tensors of SmolLM2's 30 layers converted from Python

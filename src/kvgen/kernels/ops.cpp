@@ -55,12 +55,13 @@ Product product_of(at::TensorList ws, at::IntArrayRef formats, int64_t K, std::v
   return make_product(std::move(segments), K);
 }
 
-// x (R, K) float32 rows times the row segments ws[i] (each in formats[i]) -> (R, sum of their rows)
-at::Tensor qmatmul_op(const at::Tensor& x, at::TensorList ws, at::IntArrayRef formats) {
+// x (R, K) float32 rows times the row segments ws[i] (each in formats[i]) -> (R, sum of their rows); prompt: the rows
+// feed a prompt's tokens (dot.h's product_input)
+at::Tensor qmatmul_op(const at::Tensor& x, at::TensorList ws, at::IntArrayRef formats, bool prompt) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "kvgen: x must be (rows, K) float32");
   const Product p = product_of(ws, formats, x.size(1));
   at::Tensor y = at::empty({x.size(0), p.N}, x.options());
-  product_into(p, x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>());
+  product_into(p, x.data_ptr<float>(), x.stride(0), x.size(0), y.data_ptr<float>(), prompt);
   return y;
 }
 
@@ -210,7 +211,8 @@ std::vector<at::Tensor> decoder_attention_inputs_op(const at::Tensor& x, const a
                                                     const at::Tensor& sin, int64_t H, int64_t Hkv,
                                                     const c10::optional<at::Tensor>& q_norm,
                                                     const c10::optional<at::Tensor>& k_norm, double head_eps,
-                                                    double offset, const c10::optional<at::Tensor>& bias) {
+                                                    double offset, const c10::optional<at::Tensor>& bias,
+                                                    bool prompt) {
   TORCH_CHECK(x.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
               cos.size(1) == x.size(1) && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "kvgen: decoder_attention_inputs takes x (B, T, hidden) and float32 cos/sin (B, T, D)");
@@ -222,7 +224,8 @@ std::vector<at::Tensor> decoder_attention_inputs_op(const at::Tensor& x, const a
   TORCH_CHECK(!bias.has_value() || (bias->numel() == (H + 2 * Hkv) * D && bias->is_contiguous() &&
                                     bias->scalar_type() == at::kFloat),
               "kvgen: the q/k/v product's bias holds its (", H, " + 2 * ", Hkv, ") * ", D, " features' float32 values");
-  const at::Tensor qkv = qmatmul_op(rms_norm_op(x.contiguous(), norm, eps, offset).view({R, x.size(2)}), ws, formats);  // (R, (H + 2 Hkv) D)
+  const at::Tensor normed = rms_norm_op(x.contiguous(), norm, eps, offset).view({R, x.size(2)});  // (R, hidden)
+  const at::Tensor qkv = qmatmul_op(normed, ws, formats, prompt);  // (R, (H + 2 Hkv) D)
   TORCH_CHECK(qkv.size(1) == (H + 2 * Hkv) * D, "kvgen: the q/k/v product has ", qkv.size(1), " features, not (",
               H, " + 2 * ", Hkv, ") * ", D);
   const at::Tensor c = cos.contiguous(), sn = sin.contiguous();
@@ -293,7 +296,7 @@ at::Tensor decoder_mlp_op(const at::Tensor& x, const at::Tensor& attn, at::Tenso
                           const c10::optional<at::Tensor>& post_attention, const at::Tensor& pre_feedforward,
                           const c10::optional<at::Tensor>& post_feedforward, double eps, at::TensorList gate_up,
                           at::IntArrayRef gate_up_formats, at::TensorList down, at::IntArrayRef down_formats, int64_t act,
-                          double offset) {
+                          double offset, bool prompt) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && attn.scalar_type() == at::kFloat && attn.dim() >= 1 &&
               attn.numel() == x.size(0) * x.size(1) * attn.size(-1),
               "kvgen: decoder_mlp takes x (B, T, hidden) and attn (B, T, features) float32");
@@ -302,7 +305,8 @@ at::Tensor decoder_mlp_op(const at::Tensor& x, const at::Tensor& attn, at::Tenso
                                    gate_up_formats, down, down_formats, act, attn.size(-1), hidden, eps, offset);
   const at::Tensor xc = x.contiguous(), ac = attn.contiguous();
   const at::Tensor scratch = mlp_scratch(mlp_scratch_floats(w, R)), out = at::empty(x.sizes(), x.options());
-  decoder_mlp(w, xc.data_ptr<float>(), ac.data_ptr<float>(), R, scratch.data_ptr<float>(), out.data_ptr<float>());
+  decoder_mlp(w, xc.data_ptr<float>(), ac.data_ptr<float>(), R, scratch.data_ptr<float>(), out.data_ptr<float>(),
+              prompt);
   return out;
 }
 
@@ -554,7 +558,7 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("tile_formats() -> int[]", kvgen::tile_formats);
   m.def("integer_dot_instruction() -> str", kvgen::integer_dot_instruction);
   m.def("panel_rows(int format=0) -> int", kvgen::panel_rows);
-  m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats) -> Tensor");
+  m.def("qmatmul(Tensor x, Tensor[] ws, int[] formats, bool prompt=False) -> Tensor");
   m.def("dequantize_(Tensor(a!) out, Tensor w, int format) -> ()");
   m.def("tile_rows_(Tensor(a!) out, Tensor rows, int format) -> ()");
   m.def("tile_quads(int format) -> int[]", kvgen::tile_quads);
@@ -563,10 +567,10 @@ TORCH_LIBRARY(kvgen, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float softcap) -> Tensor");
   m.def("decoder_attention_inputs(Tensor x, Tensor norm, float eps, Tensor[] ws, int[] formats, Tensor cos, "
         "Tensor sin, int heads, int kv_heads, Tensor? q_norm, Tensor? k_norm, float head_eps, float offset, "
-        "Tensor? bias=None) -> Tensor[]");
+        "Tensor? bias=None, bool prompt=False) -> Tensor[]");
   m.def("decoder_mlp(Tensor x, Tensor attn, Tensor[] o, int[] o_formats, Tensor? post_attention, "
         "Tensor pre_feedforward, Tensor? post_feedforward, float eps, Tensor[] gate_up, int[] gate_up_formats, "
-        "Tensor[] down, int[] down_formats, int act, float offset) -> Tensor");
+        "Tensor[] down, int[] down_formats, int act, float offset, bool prompt=False) -> Tensor");
   m.def("gated_activation(Tensor gate_up, int act) -> Tensor");
   m.def("mask_refused_(Tensor(a!) logits, Tensor allowed) -> ()");
   m.def("kv_store_(Tensor(a!) buffer, Tensor index, Tensor x) -> ()");

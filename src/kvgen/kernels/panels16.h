@@ -1,15 +1,15 @@
-// Opt-in (KVGEN_PREFILL_INPUTS=int16): AVX2's Q4_K products of PANEL_ROWS input rows or more on 16-bit inputs
-// (KVGEN_DOT2). vpmaddwd multiplies 16 int16 pairs an instruction where an FMA does 8 float32 products, and Zen 3
-// issues two of either a cycle. The inputs (dot.h's X16) are rounded a row's window of 64 values at a time to int16
-// on the scale of the window's largest value but one, the largest, which stays exact; each tile block's codes times
-// their 6-bit group scales (at most 15 x 63 = 945) go into an int16 panel, and a window's int32 sums (at most 2 x
-// 945 x 32767 a step, 32 steps: < 2^31) are weighed into float32 once: the window's scale times them plus the exact
-// value times its column (the block's panel as float32), the block's sum of those times d, plus the groups' mins
-// times their inputs' sums (of the rounded values, whose rounding the mins' products then cancel). Each value moves
-// by at most 2^-16 of its window's largest other value; each row is rounded and weighed on its own, so its products
-// do not depend on the product's other rows. Logits of 512-token prefills moved by up to 5.3e-3 (Gemma 3 270M) and
-// 5.1e-4 (Qwen2.5-Coder-0.5B) from the dequantized float32 run; whole prefills ran 1.09-1.16x faster (AMD EPYC Zen
-// 3, Llama 3.2 1B and Qwen2.5-1.5B Q4_K_M). Included by dot.cpp.
+// AVX2's Q4_K products of a prompt's rows on 16-bit inputs (KVGEN_DOT2; dot.h's product_input, unless
+// KVGEN_PREFILL_INPUTS=float32). vpmaddwd multiplies 16 int16 pairs an instruction where an FMA does 8 float32
+// products, and Zen 3 issues two of either a cycle. The inputs (dot.h's X16) are rounded a row's window of 64 values at
+// a time to int16 on the scale of the window's largest value but one, the largest, which stays exact; each tile block's
+// codes times their 6-bit group scales (at most 15 x 63 = 945) go into an int16 panel, and a window's int32 sums (at
+// most 2 x 945 x 32767 a step, 32 steps: < 2^31) are weighed into float32 once: the window's scale times them plus the
+// exact value times its column (the block's panel as float32), the block's sum of those times d, plus the groups' mins
+// times their inputs' sums (of the rounded values, whose rounding the mins' products then cancel). Each value moves by
+// at most 2^-16 of its window's largest other value; each row is rounded and weighed on its own, so its products do not
+// depend on the product's other rows. Logits of 512-token prefills moved by up to 5.3e-3 (Gemma 3 270M) and 5.1e-4
+// (Qwen2.5-Coder-0.5B) from the dequantized float32 run; whole prefills ran 1.09-1.16x faster (AMD EPYC Zen 3, Llama
+// 3.2 1B and Qwen2.5-1.5B Q4_K_M). Included by dot.cpp.
 #pragma once
 
 #include <algorithm>

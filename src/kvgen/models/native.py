@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.kernels import kernels_available
+from kvgen.kernels.prompt_rows import rows_kind
 from kvgen.models.decode_blocks import MAX_ROWS
 from kvgen.models.linear import Linear
 from kvgen.models.quantized_linear import QuantizedLinear
@@ -172,14 +173,16 @@ def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch
     norms, rotary on every query and key channel. Norms are RMSNorm modules with ``weight``, ``eps`` and ``offset``
     (they scale by ``weight + offset``; one offset for all of a model's norms). None
     where it does not apply (float weights with a bias, partial rotary, a product that this many rows would
-    dequantize first): then the caller runs its modules, which compute the same."""
-    if not (cos.dtype == torch.float32 and _native(x, None)
-            and attention_inputs_fuse(norm, proj, cos.shape[-1], heads, kv_heads)
-            and proj.takes_qmatmul(x.shape[0] * x.shape[1])):
+    dequantize first, rows of prompt and generated tokens together: :mod:`kvgen.kernels.prompt_rows`): then the
+    caller runs its modules, which compute the same."""
+    rows = x.shape[0] * x.shape[1]
+    prompt = rows_kind(rows)
+    if not (isinstance(prompt, bool) and cos.dtype == torch.float32 and _native(x, None)
+            and attention_inputs_fuse(norm, proj, cos.shape[-1], heads, kv_heads) and proj.takes_qmatmul(rows)):
         return None
     return torch.ops.kvgen.decoder_attention_inputs(
         x, norm.weight, norm.eps, proj._segments, proj.formats, cos, sin, heads, kv_heads, _weight(q_norm),
-        _weight(k_norm), 0.0 if q_norm is None else q_norm.eps, norm.offset, proj.bias)
+        _weight(k_norm), 0.0 if q_norm is None else q_norm.eps, norm.offset, proj.bias, prompt)
 
 
 def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pre_norm: torch.nn.Module,
@@ -190,10 +193,11 @@ def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pr
     :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
     for Llama). None where it does not apply (as :func:`decoder_attention_inputs`)."""
     rows, gate_up, down = x.shape[0] * x.shape[1], mlp.gate_up_proj, mlp.down_proj
-    if not (_native(x, None) and mlp_fuses(o_proj, pre_norm, mlp)
+    prompt = rows_kind(rows)
+    if not (isinstance(prompt, bool) and _native(x, None) and mlp_fuses(o_proj, pre_norm, mlp)
             and all(p.takes_qmatmul(rows) for p in (o_proj, gate_up, down))):
         return None
     return torch.ops.kvgen.decoder_mlp(
         x, attn, o_proj._segments, o_proj.formats, _weight(post_attention), pre_norm.weight, _weight(post_feedforward),
         pre_norm.eps, gate_up._segments, gate_up.formats, down._segments, down.formats,
-        ACTIVATION_CODES[mlp.act_name], pre_norm.offset)
+        ACTIVATION_CODES[mlp.act_name], pre_norm.offset, prompt)

@@ -18,7 +18,8 @@ the same bits, and BF16 weights take AMX's bfloat16 products with the rows split
 Larger inputs (prefill) are compute-bound: the weight is dequantized into a scratch buffer
 reused by every layer, exactly as gguf dequantizes it, then multiplied by the float32 matmul,
 except where the integer dot products are faster at any number of rows (:func:`any_rows_formats`).
-Both paths compute with the weights a float32 model would hold, up to float32 rounding order.
+Both paths compute with the weights a float32 model would hold, up to float32 rounding order, but for a prompt's rows
+on AVX2 without AVX-512 VNNI, whose Q4_K products take 16-bit inputs (:mod:`kvgen.kernels.prompt_rows`).
 On a GPU (any device but the CPU) every format stays in its stored bytes in device memory (GGUF blocks, kvgen's
 int8 and int4, F16, BF16) and each product decodes it with torch operations into the input's dtype before its
 matmul (:func:`~kvgen.models.packed.dequantize_on_device`, the CPU kernels' values bit for bit). GGUF segments in
@@ -34,7 +35,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from kvgen.kernels import integer_dot_formats, integer_dot_instruction, panel_rows, tile_formats
+from kvgen.kernels import integer_dot_formats, integer_dot_instruction, panel_rows, prefill_inputs, tile_formats
+from kvgen.kernels.prompt_rows import rows_kind
 from kvgen.models.linear import matmul
 from kvgen.models.packed import TILED, PackedWeight, dequantize_on_device, tile_rows, untile_rows
 
@@ -150,7 +152,7 @@ class QuantizedLinear(_Packed):
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         if self.takes_qmatmul(rows):
-            y = torch.ops.kvgen.qmatmul(x2, self._segments, self.formats)  # (rows, out)
+            y = self._qmatmul(x2, rows_kind(rows))  # (rows, out)
             if self.bias is not None:
                 y = y + self.bias
         else:
@@ -158,6 +160,19 @@ class QuantizedLinear(_Packed):
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _qmatmul(self, x: torch.Tensor, prompt: bool | torch.Tensor) -> torch.Tensor:
+        """``kvgen::qmatmul`` of x (rows, in): its prompt rows (:mod:`kvgen.kernels.prompt_rows`) as the prompt's, the
+        others as generated tokens'; where those differ (Q4_K weights, 16-bit prompt inputs) and both kinds are there,
+        as two products."""
+        if isinstance(prompt, bool):
+            return torch.ops.kvgen.qmatmul(x, self._segments, self.formats, prompt)
+        if 2012 not in self.formats or prefill_inputs() != "int16":
+            return torch.ops.kvgen.qmatmul(x, self._segments, self.formats, False)
+        y = x.new_empty(x.shape[0], self.out_features)  # (rows, out)
+        y[prompt] = torch.ops.kvgen.qmatmul(x[prompt], self._segments, self.formats, True)
+        y[~prompt] = torch.ops.kvgen.qmatmul(x[~prompt], self._segments, self.formats, False)
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " \

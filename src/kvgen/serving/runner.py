@@ -24,6 +24,7 @@ import torch
 from kvgen.cache.paged import BlockRows, PagedAttentionCache
 from kvgen.models.decode_blocks import eager_blocks
 from kvgen.grammar import Grammars, Masks
+from kvgen.kernels.prompt_rows import prompt_rows
 from kvgen.serving.blocks import table_rows
 from kvgen.serving.graphs import DecodeGraphs
 from kvgen.serving.sampler import prompt_logprobs, sample
@@ -35,12 +36,13 @@ IDLE = "idle"  # what rank 0 sends the other ranks of a split model while it has
 
 
 class Plan(NamedTuple):
-    """One forward pass over a ragged batch: the token ids side by side, each sequence's ``(start, end, tables)``
-    (its positions fed, its block table of each attention kind) and the rows whose logits are kept. Plain data:
-    rank 0 sends it to the other ranks of a split model."""
+    """One forward pass over a ragged batch: the token ids side by side, each sequence's ``(start, end, tables,
+    prompt)`` (its positions fed, its block table of each attention kind, its prompt's length: the rows before it
+    feed a prompt's tokens, :mod:`kvgen.kernels.prompt_rows`) and the rows whose logits are kept. Plain data: rank 0
+    sends it to the other ranks of a split model."""
 
     ids: list[int]
-    spans: list[tuple[int, int, dict[str, list[int]]]]
+    spans: list[tuple[int, int, dict[str, list[int]], int]]
     keep: list[int]
 
 
@@ -67,7 +69,7 @@ class ModelRunner:
                 scored += [(seq, len(keep) + p - first, seq.tokens[p + 1]) for p in range(first, last)]
                 keep += range(len(ids) + first - start, len(ids) + last - start)
             ids += seq.tokens[start:end]
-            spans.append((start, end, seq.tables))  # (read, or sent to the other ranks, before the tables change)
+            spans.append((start, end, seq.tables, len(seq.prompt)))  # (read, or sent, before the tables change)
             if end == len(seq.tokens):
                 sampled.append((seq, len(keep)))
                 keep.append(len(ids) - 1)
@@ -100,14 +102,15 @@ class ModelRunner:
         """The kept rows' logits (kept, V) of ``plan``'s tokens, the cache told where each goes and which positions
         each row sees."""
         size, device = self.cache.block_size, self.device
-        row_seq = torch.tensor([i for i, (start, end, _) in enumerate(plan.spans) for _ in range(end - start)])
-        positions = torch.cat([torch.arange(start, end) for start, end, _ in plan.spans])  # (T,)
+        row_seq = torch.tensor([i for i, (start, end, *_) in enumerate(plan.spans) for _ in range(end - start)])
+        positions = torch.cat([torch.arange(start, end) for start, end, *_ in plan.spans])  # (T,)
+        prompt = positions < torch.tensor([length for *_, length in plan.spans])[row_seq]  # (T,): a prompt token's row
         tables, blocks = {}, {}
         for kind in self.cache.kinds:
-            tables[kind] = table_rows([by_kind[kind] for _, _, by_kind in plan.spans])  # (S, W): -1 past each end
+            tables[kind] = table_rows([by_kind[kind] for _, _, by_kind, _ in plan.spans])  # (S, W): -1 past each end
             blocks[kind] = (tables[kind][:, :, None] * size + torch.arange(size)).flatten(1)  # (S, W * size)
         slots = {kind: blocks[kind][row_seq, positions] for kind in self.cache.kinds}  # (T,): where each token goes
-        if self.graphs is not None and len(plan.ids) == len(plan.spans) == len(plan.keep):  # a decode step
+        if self.graphs is not None and len(plan.ids) == len(plan.spans) == len(plan.keep) and not prompt.any():
             logits = self.graphs.run(plan.ids, positions, tables, slots)
             if logits is not None:
                 return logits
@@ -117,13 +120,13 @@ class ModelRunner:
                 steps[kind] = (slots[kind].to(device), BlockRows(*on_device, tables[kind].to(device)))
                 continue
             key_positions = torch.full((len(plan.spans), size * (1 + int(tables[kind].max()))), -1)  # (S, used)
-            for i, (_, end, _) in enumerate(plan.spans):
+            for i, (_, end, *_) in enumerate(plan.spans):
                 live = tables[kind][i].repeat_interleave(size)[:end] >= 0  # blocks that slid out of the window
                 key_positions[i, blocks[kind][i, :end][live]] = torch.arange(end)[live]
             steps[kind] = (slots[kind].to(device), key_positions[row_seq].to(device))  # (T,), (T, used)
         self.cache.begin_step(steps)
         positions = on_device[1]
-        with eager_blocks():  # compiled blocks would compile a graph per batch size: seconds each
+        with eager_blocks(), prompt_rows(prompt):  # (compiled blocks would compile a graph per batch size)
             return self.model(torch.tensor([plan.ids], device=device), position_ids=positions[None],
                               cache_position=positions, past_key_values=self.cache, use_cache=True,
                               logits_to_keep=torch.tensor(plan.keep, dtype=torch.long, device=device)).logits[0]
