@@ -50,6 +50,7 @@ the same load. Writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -161,7 +162,11 @@ def kvgen_worker(model: str, threads: int) -> dict:
     from kvgen import AutoModelForCausalLM, DynamicCache
     from kvgen.bench import peak_rss_mb
     from kvgen.kernels import prefill_inputs
-    from kvgen.kernels.prompt_rows import prompt_rows
+    try:
+        from kvgen.kernels.prompt_rows import prompt_rows
+    except ImportError:  # a --baseline tree from before prompt rows were marked: its forwards as they were
+        def prompt_rows(rows):
+            return contextlib.nullcontext()
 
     start = time.perf_counter()
     m = AutoModelForCausalLM.from_pretrained(model)

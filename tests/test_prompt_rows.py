@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as Q
 import kvgen
 from kvgen.kernels import kernels_available, panel_rows, prefill_inputs
 from kvgen.kernels.prompt_rows import prompt_rows, rows_kind
+from kvgen.models.native import decoder_mlp
 from kvgen.serving import ContinuousBatchingConfig
 from test_loading import _random_llama_state, _write_llama_gguf
 from test_quantized_weights import random_raw
@@ -76,6 +77,21 @@ def test_each_row_takes_its_kind_s_products_whatever_shares_the_product(model):
         assert torch.equal(prompt, exact)
 
 
+def test_the_fused_layer_ops_leave_mixed_rows_to_the_modules_only_where_their_products_differ(model, monkeypatch):
+    layer = model.model.layers[0]
+    x = torch.randn(1, 6, CFG["hidden"], generator=torch.Generator().manual_seed(4))
+    attn = torch.randn(1, 6, CFG["heads"] * CFG["head_dim"], generator=torch.Generator().manual_seed(5))
+    mask = torch.tensor([True, True, True, False, True, False])
+
+    def fused():
+        with torch.no_grad(), prompt_rows(mask):
+            return decoder_mlp(x, attn, layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp)
+
+    assert (fused() is None) == sixteen_bit()  # Q4_K: the kinds' products differ where prompts take 16 bits
+    monkeypatch.setenv("KVGEN_PREFILL_INPUTS", "float32")
+    assert fused() is not None  # every row exact: one op for the whole step, as without a mark
+
+
 def test_generate_prefills_the_prompt_s_rows_and_decodes_exactly(model):
     prompt = ids(40)
     out = model.generate(prompt, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -103,8 +119,7 @@ def test_the_engine_marks_its_steps_prompt_rows_as_generate_does(model, monkeypa
         kinds.append(kind if isinstance(kind, bool) else "mixed")
         return kind
 
-    for module in ("quantized_linear", "native"):  # (steps of one kind take the fused layer ops)
-        monkeypatch.setattr(f"kvgen.models.{module}.rows_kind", record)
+    monkeypatch.setattr("kvgen.models.quantized_linear.rows_kind", record)  # (the fused layer ops ask it too)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, CFG["vocab"], (int(n),), generator=g).tolist()
                for n in torch.randint(5, 120, (6,), generator=g)]

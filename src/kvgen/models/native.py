@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.kernels import kernels_available
-from kvgen.kernels.prompt_rows import rows_kind
 from kvgen.models.decode_blocks import MAX_ROWS
 from kvgen.models.linear import Linear
-from kvgen.models.quantized_linear import QuantizedLinear
+from kvgen.models.quantized_linear import QuantizedLinear, products_rows_kind
 
 #: above ``MAX_ROWS`` query rows, the C++ attention runs where at most this fraction of the mask's
 #: (query, key) pairs is allowed; denser masks go to SDPA (see :func:`attention`)
@@ -173,10 +172,10 @@ def decoder_attention_inputs(x: torch.Tensor, norm: torch.nn.Module, proj: torch
     norms, rotary on every query and key channel. Norms are RMSNorm modules with ``weight``, ``eps`` and ``offset``
     (they scale by ``weight + offset``; one offset for all of a model's norms). None
     where it does not apply (float weights with a bias, partial rotary, a product that this many rows would
-    dequantize first, rows of prompt and generated tokens together: :mod:`kvgen.kernels.prompt_rows`): then the
-    caller runs its modules, which compute the same."""
+    dequantize first, rows of a prompt's and of generated tokens whose products differ: :func:`products_rows_kind`):
+    then the caller runs its modules, which compute the same."""
     rows = x.shape[0] * x.shape[1]
-    prompt = rows_kind(rows)
+    prompt = products_rows_kind(rows, proj)
     if not (isinstance(prompt, bool) and cos.dtype == torch.float32 and _native(x, None)
             and attention_inputs_fuse(norm, proj, cos.shape[-1], heads, kv_heads) and proj.takes_qmatmul(rows)):
         return None
@@ -193,7 +192,7 @@ def decoder_mlp(x: torch.Tensor, attn: torch.Tensor, o_proj: torch.nn.Module, pr
     :data:`ACTIVATION_CODES`, on stored-precision weights; the post norms are Gemma's, absent
     for Llama). None where it does not apply (as :func:`decoder_attention_inputs`)."""
     rows, gate_up, down = x.shape[0] * x.shape[1], mlp.gate_up_proj, mlp.down_proj
-    prompt = rows_kind(rows)
+    prompt = products_rows_kind(rows, o_proj, gate_up, down)
     if not (isinstance(prompt, bool) and _native(x, None) and mlp_fuses(o_proj, pre_norm, mlp)
             and all(p.takes_qmatmul(rows) for p in (o_proj, gate_up, down))):
         return None

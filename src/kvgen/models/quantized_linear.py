@@ -66,6 +66,16 @@ def any_rows_formats() -> frozenset[int]:
     return integer_dot_formats() - {2014, 3008, 3032, 3064, 3128}
 
 
+def products_rows_kind(rows: int, *layers: nn.Module) -> bool | torch.Tensor:
+    """:func:`~kvgen.kernels.prompt_rows.rows_kind` of products of ``rows`` input rows by ``layers``' weights (each
+    with its ``formats``): a mask (both kinds of rows) only where their products of a prompt's rows differ (Q4_K
+    weights, 16-bit prompt inputs: :func:`~kvgen.kernels.prefill_inputs`), else False for it (every row exact)."""
+    kind = rows_kind(rows)
+    if isinstance(kind, bool) or (any(2012 in layer.formats for layer in layers) and prefill_inputs() == "int16"):
+        return kind
+    return False
+
+
 _scratch = torch.empty(0)  # float32 scratch for prefill: the largest dequantized weight so far
 
 
@@ -152,7 +162,7 @@ class QuantizedLinear(_Packed):
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         if self.takes_qmatmul(rows):
-            y = self._qmatmul(x2, rows_kind(rows))  # (rows, out)
+            y = self._qmatmul(x2, products_rows_kind(rows, self))  # (rows, out)
             if self.bias is not None:
                 y = y + self.bias
         else:
@@ -163,12 +173,10 @@ class QuantizedLinear(_Packed):
 
     def _qmatmul(self, x: torch.Tensor, prompt: bool | torch.Tensor) -> torch.Tensor:
         """``kvgen::qmatmul`` of x (rows, in): its prompt rows (:mod:`kvgen.kernels.prompt_rows`) as the prompt's, the
-        others as generated tokens'; where those differ (Q4_K weights, 16-bit prompt inputs) and both kinds are there,
-        as two products."""
+        others as generated tokens'; where both kinds are there (a mask: :func:`products_rows_kind`), as two
+        products."""
         if isinstance(prompt, bool):
             return torch.ops.kvgen.qmatmul(x, self._segments, self.formats, prompt)
-        if 2012 not in self.formats or prefill_inputs() != "int16":
-            return torch.ops.kvgen.qmatmul(x, self._segments, self.formats, False)
         y = x.new_empty(x.shape[0], self.out_features)  # (rows, out)
         y[prompt] = torch.ops.kvgen.qmatmul(x[prompt], self._segments, self.formats, True)
         y[~prompt] = torch.ops.kvgen.qmatmul(x[~prompt], self._segments, self.formats, False)
