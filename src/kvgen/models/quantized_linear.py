@@ -67,11 +67,13 @@ def any_rows_formats() -> frozenset[int]:
 
 
 def products_rows_kind(rows: int, *layers: nn.Module) -> bool | torch.Tensor:
-    """:func:`~kvgen.kernels.prompt_rows.rows_kind` of products of ``rows`` input rows by ``layers``' weights (each
-    with its ``formats``): a mask (both kinds of rows) only where their products of a prompt's rows differ (Q4_K
-    weights, 16-bit prompt inputs: :func:`~kvgen.kernels.prefill_inputs`), else False for it (every row exact)."""
+    """:func:`~kvgen.kernels.prompt_rows.rows_kind` of products of ``rows`` input rows by ``layers``' weights
+    (stored-precision layers carry their ``formats``; others, a split model's wrappers, mark their own products): a mask
+    (both kinds of rows) only where their products of a prompt's rows differ (Q4_K weights, 16-bit prompt inputs:
+    :func:`~kvgen.kernels.prefill_inputs`), else False for it (every row exact)."""
     kind = rows_kind(rows)
-    if isinstance(kind, bool) or (any(2012 in layer.formats for layer in layers) and prefill_inputs() == "int16"):
+    if isinstance(kind, bool) or (any(2012 in getattr(layer, "formats", ()) for layer in layers)
+                                  and prefill_inputs() == "int16"):
         return kind
     return False
 
