@@ -34,9 +34,9 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from kvgen.kernels import prefill_inputs
 from kvgen.kernels.prompt_rows import rows_kind
 from kvgen.models.native import ACTIVATION_CODES, _native, _weight, attention_inputs_fuse, mlp_fuses
+from kvgen.models.quantized_linear import prompt_products_differ
 
 
 class LayerParts(NamedTuple):
@@ -138,7 +138,7 @@ class _Plan(NamedTuple):
     kv_heads: int
     head_dim: int
     weights: _Registered
-    prompt_numerics: bool  # some product's weights are Q4_K, whose products of a prompt's rows may differ
+    formats: frozenset[int]  # every product's weight formats (a prompt's rows: prompt_products_differ)
 
 
 class DecodeStack:
@@ -208,9 +208,9 @@ class DecodeStack:
             *segments([p.mlp.gate_up_proj for p in parts]), *segments([p.mlp.down_proj for p in parts]),
             heads, kv_heads, eps, head_norms[0].eps if head_norms else 0.0, offset, act,
             [p.attn.qkv_proj.bias for p in parts])
-        q4k = any(2012 in m.formats for p in parts for m in (p.attn.qkv_proj, p.attn.o_proj, p.mlp.gate_up_proj,
-                                                              p.mlp.down_proj))
-        return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, _Registered(args), q4k)
+        formats = frozenset(f for p in parts for m in (p.attn.qkv_proj, p.attn.o_proj, p.mlp.gate_up_proj,
+                                                       p.mlp.down_proj) for f in m.formats)
+        return _Plan([p.attn.sliding_window for p in parts], kv_heads, head_dim, _Registered(args), formats)
 
     def _layer_masks(self, masks, cache, windows: list[int | None]) -> list[torch.Tensor | None] | None:
         """Each layer's mask, asked of ``masks`` once per group of layers sharing one; ``None`` if one is causal.
@@ -256,7 +256,7 @@ class DecodeStack:
         plan = self._current_plan(layers)
         if plan is None or tables[0][0].shape[-1] != plan.head_dim:
             return None
-        if plan.prompt_numerics and rows_kind(b * t) is not False and prefill_inputs() == "int16":
+        if rows_kind(b * t) is not False and prompt_products_differ(plan.formats):
             return None  # a prompt's rows, whose products differ from the stack's: the per-layer ops' (prompt_rows)
         count = len(plan.windows)
         layer_masks = self._layer_masks(masks, cache, plan.windows)  # before reserving: it asks the cache

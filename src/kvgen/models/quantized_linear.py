@@ -66,14 +66,19 @@ def any_rows_formats() -> frozenset[int]:
     return integer_dot_formats() - {2014, 3008, 3032, 3064, 3128}
 
 
+def prompt_products_differ(formats) -> bool:
+    """Whether products of a prompt's rows by weights in ``formats`` differ from the exact ones that rows of generated
+    tokens take: Q4_K's tiles (2012) where a prompt's inputs are 16-bit (:func:`~kvgen.kernels.prefill_inputs`)."""
+    return 2012 in formats and prefill_inputs() == "int16"
+
+
 def products_rows_kind(rows: int, *layers: nn.Module) -> bool | torch.Tensor:
     """:func:`~kvgen.kernels.prompt_rows.rows_kind` of products of ``rows`` input rows by ``layers``' weights
     (stored-precision layers carry their ``formats``; others, a split model's wrappers, mark their own products): a mask
-    (both kinds of rows) only where their products of a prompt's rows differ (Q4_K weights, 16-bit prompt inputs:
-    :func:`~kvgen.kernels.prefill_inputs`), else False for it (every row exact)."""
+    (both kinds of rows) only where their products differ (:func:`prompt_products_differ`), else False for it (every
+    row exact)."""
     kind = rows_kind(rows)
-    if isinstance(kind, bool) or (any(2012 in getattr(layer, "formats", ()) for layer in layers)
-                                  and prefill_inputs() == "int16"):
+    if isinstance(kind, bool) or prompt_products_differ({f for layer in layers for f in getattr(layer, "formats", ())}):
         return kind
     return False
 
