@@ -10,6 +10,9 @@ second and its ratio to the first build; checks that every build gives the first
     python benchmarks/kernels_ab.py MODEL.gguf blk.0.ffn_gate.weight,blk.0.ffn_down.weight --trees HEAD~1,HEAD
     python benchmarks/kernels_ab.py MODEL.gguf token_embd.weight --trees main,src/kvgen/kernels --rows 512 --reps 2000
 
+``--prompt`` times the products of a prompt's rows (``qmatmul(..., prompt=True)``: AVX2's Q4_K products on 16-bit
+inputs), which builds from before that argument do not take.
+
 ``--attention SEQS,KEYS`` times the builds' ``attention`` instead: a decode step's 30 layers (SmolLM2's heads: 9
 query heads on 3 key heads of 64) for SEQS sequences of KEYS keys each, each sequence's keys and values one run of
 a float16 pool (``--kv-dtype``), each layer's its own (read from memory), the mask as the engine builds it.
@@ -133,6 +136,7 @@ def main() -> None:
     parser.add_argument("--trees", required=True, help="comma-separated git revisions or kernel source folders")
     parser.add_argument("--rows", type=int, default=0, help="only the first rows of each tensor (from cache)")
     parser.add_argument("--inputs", type=int, default=1, help="input rows of each product")
+    parser.add_argument("--prompt", action="store_true", help="the input rows are a prompt's")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
@@ -149,6 +153,8 @@ def main() -> None:
             print(f"lscpu: {cpu()}; load average {open('/proc/loadavg').read().split()[:3]}")
             return
         ops = [getattr(torch.ops, namespace).qmatmul for namespace in names]
+        if args.prompt:
+            ops = [lambda x, segments, formats, op=op: op(x, segments, formats, True) for op in ops]
         for tensor in args.tensors.split(","):
             segments, k = weights(args.model, tensor, args.rows)
             n = segments[0][1].shape[0]
