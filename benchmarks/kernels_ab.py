@@ -2,13 +2,20 @@
 
 Each tree (a git revision, or a folder of kernel sources) is built as its own library whose ops live in
 ``torch.ops.<name>`` (``ab0``, ``ab1``, ...), then one process calls their ``qmatmul`` in turn on the same
-packed weights: a model's copies of one tensor in every layer (read from memory), or ``--rows`` of one
-(from cache). Separate processes on a shared VM disagreed by up to 1.8x from run to run; calls alternating in
-one process agree within a few percent over whole tensors (calls of tens of microseconds vary more). Reports the best time of ``--reps`` calls of each build, its weights a
-second and its ratio to the first build; checks that every build gives the first one's products (1e-5).
+packed weights: a model's copies of one tensor in every layer (read from memory, placed as a model places them),
+or ``--rows`` of one (from cache). Separate processes on a shared VM disagreed by up to 1.8x from run to run; calls
+alternating in one process agree within a few percent over whole tensors (calls of tens of microseconds vary more).
+Reports the best time of ``--reps`` calls of each build, its weights a second and its ratio to the first build;
+checks that every build gives the first one's products (1e-5).
 
     python benchmarks/kernels_ab.py MODEL.gguf blk.0.ffn_gate.weight,blk.0.ffn_down.weight --trees HEAD~1,HEAD
     python benchmarks/kernels_ab.py MODEL.gguf token_embd.weight --trees main,src/kvgen/kernels --rows 512 --reps 2000
+
+``--stream`` also times, in the same rounds, a prefetching read of the same packed bytes (vs_llamacpp's
+``_prefetched_read``, 0, 8 and 16 kB ahead, the best): each product's GB/s then stands against the rate at which
+this process reads those bytes at all, the decode roofline of one format. ``--json PATH`` writes the rows.
+
+    python benchmarks/kernels_ab.py MODEL.gguf blk.0.ffn_gate.weight,output.weight --trees HEAD --stream
 
 ``--prompt`` times the products of a prompt's rows (``qmatmul(..., prompt=True)``: AVX2's Q4_K products on 16-bit
 inputs), which builds from before that argument do not take.
@@ -23,6 +30,7 @@ a float16 pool (``--kv-dtype``), each layer's its own (read from memory), the ma
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import subprocess
@@ -36,10 +44,11 @@ import numpy as np
 import torch
 
 import kvgen.kernels as kernels
-from kvgen.models.packed import PackedWeight, tile_rows
+from kvgen.models.packed import PackedWeight, tile_rows, tiled_sizes
+from kvgen.models.weight_arena import WeightArena
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_llamacpp import _cpu as cpu  # noqa: E402
+from vs_llamacpp import _cpu as cpu, _cpu_flags, _prefetched_read  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "src/kvgen/kernels"
@@ -74,21 +83,22 @@ def build(tree: str, namespace: str, folder: Path) -> None:
 
 
 def weights(path: str, name: str, rows: int) -> tuple[list[tuple[int, torch.Tensor]], int]:
-    """Every layer's copy of tensor ``name`` (``blk.0.`` names; others: the one tensor), tiled as models keep it,
-    and its input features."""
+    """Every layer's copy of tensor ``name`` (``blk.0.`` names; others: the one tensor), tiled as models keep it
+    (in one :class:`~kvgen.models.weight_arena.WeightArena`, 2 MB pages where THP allows), and its input features."""
     tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
-    out, k = [], 0
+    raws, k = [], 0
     for layer in range(1000):
         t = tensors.get(name.replace("blk.0.", f"blk.{layer}."))
         if t is None or (layer and "blk.0." not in name):
             break
         k, n = int(t.shape[0]), int(t.shape[1])
-        raw = torch.from_numpy(np.array(t.data)).reshape(n, -1)[:rows or n].clone()
-        out.append(tile_rows(PackedWeight([(int(t.tensor_type), raw)], k)).segments[0])
-    if not out:
+        raws.append(PackedWeight([(int(t.tensor_type), torch.from_numpy(np.array(t.data)).reshape(n, -1)[:rows or n])],
+                                 k))
+    if not raws:
         raise SystemExit(f"{path} has no tensor {name!r} (every layer's copies: name layer 0's, e.g. "
                          "'blk.0.ffn_gate.weight'; others by their whole name, e.g. 'output.weight')")
-    return out, k
+    arena = WeightArena([size for raw in raws for size in tiled_sizes(raw)])
+    return [tile_rows(raw, arena.empty_like).segments[0] for raw in raws], k
 
 
 def best_times(calls, reps: int) -> list[float]:
@@ -139,6 +149,8 @@ def main() -> None:
     parser.add_argument("--prompt", action="store_true", help="the input rows are a prompt's")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--stream", action="store_true", help="also time a prefetching read of the same bytes")
+    parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     if not args.attention and not (args.model and args.tensors):
         parser.error("give MODEL and TENSORS, or --attention SEQS,KEYS")
@@ -152,7 +164,7 @@ def main() -> None:
             time_attention([getattr(torch.ops, namespace).attention for namespace in names], trees, args)
             print(f"lscpu: {cpu()}; load average {open('/proc/loadavg').read().split()[:3]}")
             return
-        ops = [getattr(torch.ops, namespace).qmatmul for namespace in names]
+        ops, rows = [getattr(torch.ops, namespace).qmatmul for namespace in names], []
         if args.prompt:
             ops = [lambda x, segments, formats, op=op: op(x, segments, formats, True) for op in ops]
         for tensor in args.tensors.split(","):
@@ -168,12 +180,30 @@ def main() -> None:
             for threads in map(int, args.threads.split(",")):
                 torch.set_num_threads(threads)
                 calls = [lambda op=op: [op(x, [data], [format]) for format, data in segments] for op in ops]
-                best = [b / len(segments) for b in best_times(calls, args.reps)]
+                if args.stream:  # (packed segments are whole cache lines of bytes: read as float32)
+                    read = _prefetched_read()
+                    calls += [lambda ahead=ahead: [read(data.data_ptr(), data.numel() // 4, ahead, threads)
+                                                   for _, data in segments] for ahead in (0, 8192, 16384)]
+                times = [b / len(segments) for b in best_times(calls, args.reps)]
+                best, stream = times[:len(ops)], min(times[len(ops):], default=None)
                 weights_read = n * x.shape[1] * args.inputs
+                nbytes = sum(data.numel() for _, data in segments) / len(segments)
+                row = {"tensor": tensor, "shape": [n, x.shape[1]], "copies": len(segments), "inputs": args.inputs,
+                       "threads": threads, "formats": sorted({format for format, _ in segments}),
+                       "seconds": dict(zip(trees, best))}
+                line = "  ".join(f"{tree} {b * 1e3:.3f} ms {weights_read / b / 1e9:.1f} Gw/s ({best[0] / b:.2f}x)"
+                                 for tree, b in zip(trees, best))
+                if stream is not None:
+                    row["stream_seconds"] = stream
+                    line += f"  | bytes {nbytes / 1e6:.1f} MB: stream {nbytes / stream / 1e9:.1f} GB/s, " + ", ".join(
+                        f"{tree} {nbytes / b / 1e9:.1f} GB/s ({stream / b:.0%})" for tree, b in zip(trees, best))
+                rows.append(row)
                 print(f"{tensor} ({n} x {x.shape[1]}, {len(segments)} copies, {args.inputs} input rows, {threads} "
-                      "threads): " + "  ".join(f"{tree} {b * 1e3:.3f} ms {weights_read / b / 1e9:.1f} Gw/s "
-                                               f"({best[0] / b:.2f}x)" for tree, b in zip(trees, best)), flush=True)
-    print(f"lscpu: {cpu()}; load average {open('/proc/loadavg').read().split()[:3]}")
+                      f"threads): {line}", flush=True)
+    machine = f"lscpu: {cpu()} ({_cpu_flags()}); load average {open('/proc/loadavg').read().split()[:3]}"
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": machine, "model": args.model, "rows": rows}, indent=1) + "\n")
+    print(machine)
 
 
 if __name__ == "__main__":
