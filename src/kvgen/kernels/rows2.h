@@ -30,11 +30,14 @@ namespace kvgen {
 #define KVGEN_Q6_TOP2(OFF, T) "vpand " OFF "(%[tp]), %[top], " T "\n"
 #define KVGEN_Q6_TOP3(OFF, T) "vmovdqu " OFF "(%[tp]), " T "\n vpsrlw $2, " T ", " T "\n vpand %[top], " T ", " T "\n"
 // the next block's line (3360 bytes on) of the runs at OFF, by the group that reads them first (low: s < 2; top:
-// s = 0): the next block a line at a time as this one's is read. (In C, next to the assembly, GCC hoisted them all to
-// the block's start, and products from memory ran at half the speed.)
-#define KVGEN_Q6_LOW01_NEXT(OFF) "prefetcht0 3360+" OFF "(%[lo])\n"
+// s = 0): the next block a line at a time as this one's is read; and into L2 the same line of the block 4 on (13 kB:
+// Llama 3.2 1B's 215 MB output head from memory 1.16x / 1.17x faster at 1 / 2 threads, Qwen2.5-1.5B's ffn_down
+// 0.97-1.03x; 8 blocks on alike; the L2 prefetch in place of the L1 one, 3 blocks on, 0.99-1.06x; AMD EPYC Zen 3,
+// kernels_ab.py). (In C, next to the assembly, GCC hoisted them all to the block's start, and products from memory ran
+// at half the speed.)
+#define KVGEN_Q6_LOW01_NEXT(OFF) "prefetcht0 3360+" OFF "(%[lo])\n prefetcht1 13440+" OFF "(%[lo])\n"
 #define KVGEN_Q6_LOW23_NEXT(OFF)
-#define KVGEN_Q6_TOP0_NEXT(OFF) "prefetcht0 3360+" OFF "(%[tp])\n"
+#define KVGEN_Q6_TOP0_NEXT(OFF) "prefetcht0 3360+" OFF "(%[tp])\n prefetcht1 13440+" OFF "(%[tp])\n"
 #define KVGEN_Q6_TOP1_NEXT(OFF)
 #define KVGEN_Q6_TOP2_NEXT(OFF)
 #define KVGEN_Q6_TOP3_NEXT(OFF)
@@ -103,9 +106,10 @@ __attribute__((always_inline)) inline void q6k_group(const uint8_t* low, const u
 }
 
 // y[16 t + i] for tiles t0..t1 of format G and one row r0 of the rounded input: per tile block, lines FROM..TO of the
-// next block fetched (its other lines: the block's groups fetch them), then block(blk, xb, sb, xs, acc0, acc1) adds
-// the block's products to acc0, acc1 (each half of the rows), with xb, sb, xs its inputs' levels, scales and sums
-template <class G, int64_t FROM, int64_t TO, class B>
+// next block fetched (its other lines: the block's groups fetch them), and into L2 those of the block L2_AHEAD on
+// (0: none), then block(blk, xb, sb, xs, acc0, acc1) adds the block's products to acc0, acc1 (each half of the rows),
+// with xb, sb, xs its inputs' levels, scales and sums
+template <class G, int64_t FROM, int64_t TO, int64_t L2_AHEAD, class B>
 __attribute__((always_inline)) inline void row_blocks(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
                                                       int64_t t1, float* y, B&& block) {
   constexpr int64_t TB = 16 * G::BYTES;
@@ -117,7 +121,10 @@ __attribute__((always_inline)) inline void row_blocks(const RoundedX& x, int64_t
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = tile + b * TB;
-      for (int64_t l = FROM; l < TO; l += 64) __builtin_prefetch(blk + TB + l);
+      for (int64_t l = FROM; l < TO; l += 64) {
+        __builtin_prefetch(blk + TB + l);
+        if constexpr (L2_AHEAD > 0) __builtin_prefetch(blk + L2_AHEAD * TB + l, 0, 2);
+      }
       block(blk, levels + b * G::QK, scales + b * (G::QK / 32), sums + b * (G::QK / 16), acc0, acc1);
     }
     store_rows(y + 16 * t, Lanes{{acc0, acc1}});
@@ -134,7 +141,7 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
   static_assert(16 * Q6_K::BYTES == 3360, "q6k_group's prefetches name the tile block's size");
   const int64_t K = x.K;
   const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);  // Quads' order
-  row_blocks<Q6_K, 16 * 192, 3360>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
+  row_blocks<Q6_K, 16 * 192, 3360, 4>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
                                                             const float* xs, __m256& acc0, __m256& acc1)
                                                             __attribute__((always_inline)) {
     __m256 dm[16][4];  // each group's d (each half of the rows), then its m = -32 d
@@ -208,7 +215,7 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
                                                      int64_t t1, float* y) {
   static_assert(16 * Q4_K::BYTES == 2304, "q4k_group's prefetches name the tile block's size");
   const int64_t K = x.K;
-  row_blocks<Q4_K, 0, 256>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
+  row_blocks<Q4_K, 0, 256, 0>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
                                                     const float* xs, __m256& acc0, __m256& acc1)
                                                     __attribute__((always_inline)) {
     __m256 dm[8][4];  // each group's d (each half of the rows), then its m
