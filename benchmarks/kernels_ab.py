@@ -165,6 +165,7 @@ def main() -> None:
             print(f"lscpu: {cpu()}; load average {open('/proc/loadavg').read().split()[:3]}")
             return
         ops, rows = [getattr(torch.ops, namespace).qmatmul for namespace in names], []
+        read = _prefetched_read() if args.stream else None
         if args.prompt:
             ops = [lambda x, segments, formats, op=op: op(x, segments, formats, True) for op in ops]
         for tensor in args.tensors.split(","):
@@ -181,7 +182,6 @@ def main() -> None:
                 torch.set_num_threads(threads)
                 calls = [lambda op=op: [op(x, [data], [format]) for format, data in segments] for op in ops]
                 if args.stream:  # (packed segments are whole cache lines of bytes: read as float32)
-                    read = _prefetched_read()
                     calls += [lambda ahead=ahead: [read(data.data_ptr(), data.numel() // 4, ahead, threads)
                                                    for _, data in segments] for ahead in (0, 8192, 16384)]
                 times = [b / len(segments) for b in best_times(calls, args.reps)]

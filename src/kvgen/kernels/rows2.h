@@ -30,11 +30,13 @@ namespace kvgen {
 #define KVGEN_Q6_TOP2(OFF, T) "vpand " OFF "(%[tp]), %[top], " T "\n"
 #define KVGEN_Q6_TOP3(OFF, T) "vmovdqu " OFF "(%[tp]), " T "\n vpsrlw $2, " T ", " T "\n vpand %[top], " T ", " T "\n"
 // the next block's line (3360 bytes on) of the runs at OFF, by the group that reads them first (low: s < 2; top:
-// s = 0): the next block a line at a time as this one's is read; and into L2 the same line of the block 4 on (13 kB:
-// Llama 3.2 1B's 215 MB output head from memory 1.16x / 1.17x faster at 1 / 2 threads, Qwen2.5-1.5B's ffn_down
-// 0.97-1.03x; 8 blocks on alike; the L2 prefetch in place of the L1 one, 3 blocks on, 0.99-1.06x; AMD EPYC Zen 3,
-// kernels_ab.py). (In C, next to the assembly, GCC hoisted them all to the block's start, and products from memory ran
-// at half the speed.)
+// s = 0): the next block a line at a time as this one's is read; and into L2 the same line of the block Q6_L2_AHEAD
+// on (13 kB: the output heads and ffn_down of Llama 3.2 1B and Qwen2.5-1.5B from memory 1.03-1.15x faster at 1 and 2
+// threads, benchmarks/results/q6k_l2_prefetch_zen3.json; 2, 6 or 8 blocks on alike; the L2 prefetch in place of the
+// L1 one, 3 blocks on, 0.99-1.06x; AMD EPYC Zen 3, kernels_ab.py). (In C, next to the assembly, GCC hoisted them all
+// to the block's start, and products from memory ran at half the speed.)
+constexpr int64_t Q6_L2_AHEAD = 4;
+static_assert(Q6_L2_AHEAD * 3360 == 13440, "the Q6_K prefetches into L2 name the block Q6_L2_AHEAD on");
 #define KVGEN_Q6_LOW01_NEXT(OFF) "prefetcht0 3360+" OFF "(%[lo])\n prefetcht1 13440+" OFF "(%[lo])\n"
 #define KVGEN_Q6_LOW23_NEXT(OFF)
 #define KVGEN_Q6_TOP0_NEXT(OFF) "prefetcht0 3360+" OFF "(%[tp])\n prefetcht1 13440+" OFF "(%[tp])\n"
@@ -141,9 +143,10 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
   static_assert(16 * Q6_K::BYTES == 3360, "q6k_group's prefetches name the tile block's size");
   const int64_t K = x.K;
   const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);  // Quads' order
-  row_blocks<Q6_K, 16 * 192, 3360, 4>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
-                                                            const float* xs, __m256& acc0, __m256& acc1)
-                                                            __attribute__((always_inline)) {
+  row_blocks<Q6_K, 16 * 192, 3360, Q6_L2_AHEAD>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb,
+                                                                        const float* sb, const float* xs,
+                                                                        __m256& acc0, __m256& acc1)
+                                                                        __attribute__((always_inline)) {
     __m256 dm[16][4];  // each group's d (each half of the rows), then its m = -32 d
     const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
     const Lanes dd = to_quads(f16_fields(&bits));
