@@ -222,12 +222,7 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
                                                     const float* xs, __m256& acc0, __m256& acc1)
                                                     __attribute__((always_inline)) {
     __m256 dm[8][4];  // each group's d (each half of the rows), then its m
-    vf d[8], m[8];
-    k_scales16(blk, d, m);
-    for (int g = 0; g < 8; ++g) {
-      const Lanes dq = to_quads(d[g]), mq = to_quads(m[g]);
-      dm[g][0] = dq.h[0], dm[g][1] = dq.h[1], dm[g][2] = mq.h[0], dm[g][3] = mq.h[1];
-    }
+    k_scales_quads(blk, dm);
     // byte i of chunk c (its runs from blk + 256 + 512 c): value 64 c + i (low nibble, group 2 c), 64 c + 32 + i
     // (high nibble, group 2 c + 1)
     for (int c = 0; c < 4; ++c) {

@@ -31,14 +31,51 @@ void Nibbles16<G, H, BASE>::dot_groups(const uint8_t* blk, F&& f) {
   f(Int<0>{}, Int<1>{}, 16, u, dq, mq);
 }
 
+// 16 float16 fields at p (one a row) as float32, each half of the rows in Quads' order
+inline void f16_quads(const uint8_t* p, __m256* out) {
+#if defined(__F16C__)
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0xD8);
+  out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+#else
+  const Lanes q = to_quads(f16_fields(p));
+  out[0] = q.h[0], out[1] = q.h[1];
+#endif
+}
+
+// a Q4_K tile block's 8 groups' d and m at dm[g] (d of each half of the rows in Quads' order, then m): the bits of
+// k_scales16 and to_quads, but its 16 rows' scale bytes shuffled into Quads' order and decoded as bytes, so that no
+// vector of 16 lanes is exchanged between halves (one-row Q4_K products 1.07-1.15x faster, Zen 3, kernels_ab.py)
+inline void k_scales_quads(const uint8_t* blk, __m256 (*dm)[4]) {
+  __m256 dd[2], dmin[2];
+  f16_quads(blk, dd);
+  f16_quads(blk + 32, dmin);
+  for (int h = 0; h < 2; ++h) dmin[h] = _mm256_xor_ps(dmin[h], _mm256_set1_ps(-0.0f));  // m = -(dmin min)
+  const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  __m128i sc[12];  // k_scales' 12 bytes of the 16 rows, each in Quads' order
+  for (int j = 0; j < 12; ++j)
+    sc[j] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + 16 * j)), quad_rows);
+  const __m128i six = _mm_set1_epi8(0x3F), four = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
+  const auto put = [](__m128i bytes, const __m256* scale, __m256* out) {  // out[h] = scale[h] times the bytes
+    out[0] = _mm256_mul_ps(scale[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    out[1] = _mm256_mul_ps(scale[1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
+  };
+  for (int j = 0; j < 4; ++j) {  // (16-bit shifts: the bits they bring in from the next byte are masked off)
+    put(_mm_and_si128(sc[j], six), dd, dm[j]);
+    put(_mm_and_si128(sc[j + 4], six), dmin, dm[j] + 2);
+    put(_mm_or_si128(_mm_and_si128(sc[j + 8], four), _mm_and_si128(_mm_srli_epi16(sc[j], 2), top)), dd, dm[j + 4]);
+    const __m128i high_min = _mm_and_si128(_mm_srli_epi16(sc[j + 4], 2), top);
+    put(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(sc[j + 8], 4), four), high_min), dmin, dm[j + 4] + 2);
+  }
+}
+
 template <int R, class F>
 void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   const uint8_t* run = blk + 64;
-  vf d[8], m[8];
-  k_scales16(blk, d, m);
+  __m256 dm[8][4];
+  k_scales_quads(blk, dm);
   for (int c = 0; c < 4; ++c) {  // byte i of chunk c: value 64 c + i (low nibble, group 2 c), 64 c + 32 + i (high)
-    const Lanes d0 = to_quads(d[2 * c]), m0 = to_quads(m[2 * c]), d1 = to_quads(d[2 * c + 1]),
-                m1 = to_quads(m[2 * c + 1]);
+    const __m256 *g0 = dm[2 * c], *g1 = dm[2 * c + 1];
+    const Lanes d0{{g0[0], g0[1]}}, m0{{g0[2], g0[3]}}, d1{{g1[0], g1[1]}}, m1{{g1[2], g1[3]}};
     auto half = [&](auto part) {  // runs 4 j .. for j in 4 part .. 4 part + 3, loaded once for both groups
       Quads v[4], u[4];
 #pragma GCC unroll 4
