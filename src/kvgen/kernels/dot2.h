@@ -111,7 +111,7 @@ __attribute__((noinline)) void matmul_q8_0(const RoundedX& x, int64_t r0, const 
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = tile + b * TB;
       __builtin_prefetch(blk + TB);  // the next block's d, its quads as this block's are read
-      const Lanes d = to_quads(f16_fields(blk));
+      const Lanes d = f16_quads(blk);
       for (int r = 0; r < R; ++r) {
         const int8_t* xq = levels + r * 3 * K + b * Q8_0::QK;
         __m256i high[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, low[2] = {high[0], high[1]};

@@ -130,7 +130,7 @@ inline void window_sums(const int16_t* panel, const int16_t* x, int64_t ld, int3
 // a Q4_K tile block's 256 values as int16 (code times group scale) at panel, in 128 steps of two int16 pairs'
 // registers (rows in Quads' order), its rows' d and the 8 groups' negated mins (dmin times min)
 inline void panel16_q4k(const uint8_t* blk, int16_t* panel, Lanes& d, Lanes* m) {
-  d = to_quads(f16_fields(blk));
+  d = f16_quads(blk);
   const __m256i low = _mm256_set1_epi16(0xFF);
   Q4_Kx16::dot_groups<1>(blk, [&](auto, auto, int k0, const Quads* u, const Lanes& dg, const Lanes& mg) {
     m[k0 / 32] = mg;

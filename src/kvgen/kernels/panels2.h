@@ -55,7 +55,7 @@ inline void panel_quads(const Quads* u, int quads, const Lanes& d, const Lanes& 
 template <class T>
 inline void panel_block(const uint8_t* blk, float* panel) {
   if constexpr (std::is_same_v<T, Q8_0x16>) {  // head: the 16 rows' d; runs 2..33: value j - 2, signed
-    const Lanes d = to_quads(f16_fields(blk)), zero{{_mm256_setzero_ps(), _mm256_setzero_ps()}};
+    const Lanes d = f16_quads(blk), zero{{_mm256_setzero_ps(), _mm256_setzero_ps()}};
     Quads u[8];
     for (int j = 0; j < 8; ++j) u[j] = load_quads(blk + 32 + 64 * j);
     panel_quads<true>(u, 8, d, zero, panel);

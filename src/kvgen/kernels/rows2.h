@@ -142,17 +142,15 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
                                                      int64_t t1, float* y) {
   static_assert(16 * Q6_K::BYTES == 3360, "q6k_group's prefetches name the tile block's size");
   const int64_t K = x.K;
-  const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);  // Quads' order
   row_blocks<Q6_K, 16 * 192, 3360, Q6_L2_AHEAD>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb,
                                                                         const float* sb, const float* xs,
                                                                         __m256& acc0, __m256& acc1)
                                                                         __attribute__((always_inline)) {
     __m256 dm[16][4];  // each group's d (each half of the rows), then its m = -32 d
     const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
-    const Lanes dd = to_quads(f16_fields(&bits));
+    const Lanes dd = f16_quads(&bits);
     for (int g = 0; g < 16; ++g) {
-      const __m128i sc =
-          _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * (192 + g))), quad_rows);
+      const __m128i sc = bytes_quads(blk + 16 * (192 + g));
       dm[g][0] = _mm256_mul_ps(dd.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
       dm[g][1] = _mm256_mul_ps(dd.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
       dm[g][2] = _mm256_mul_ps(dm[g][0], _mm256_set1_ps(-32.0f));

@@ -10,6 +10,17 @@ namespace kvgen {
 #if defined(KVGEN_DOT2)
 template <int I> using Int = std::integral_constant<int, I>;
 
+// 16 float16 fields at p (one a row) as float32 in Quads' order of rows: to_quads(f16_fields(p)), without the
+// exchange of 16 float32 lanes between halves (the 64-bit runs of fields exchanged before they are widened)
+inline Lanes f16_quads(const void* p) {
+#if defined(__F16C__)
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0xD8);
+  return {{_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1))}};
+#else
+  return to_quads(f16_fields(p));
+#endif
+}
+
 // dot_groups<R>(blk, f): f(slot, part, k0, u, d, m) for each 16 values of a tile block from value k0 on, the part-th
 // 16 of a group of T::GROUP values (slot: which of the groups open at once): u[j] holds values k0 + 4 j .. k0 + 4 j +
 // 3 of the 16 rows as unsigned bytes (at most T::CODE_MAX), worth d * u + m. Parts of 16 values (8 registers of u)
@@ -17,8 +28,10 @@ template <int I> using Int = std::integral_constant<int, I>;
 template <class G, int H, int BASE>
 template <int R, class F>
 void Nibbles16<G, H, BASE>::dot_groups(const uint8_t* blk, F&& f) {
-  const vf d = f16_fields(blk);
-  const Lanes dq = to_quads(d), mq = to_quads(G::HAS_MIN ? f16_fields(blk + 32) : d * (float)BASE);
+  const Lanes dq = f16_quads(blk);
+  const __m256 base = _mm256_set1_ps((float)BASE);
+  const Lanes mq =
+      G::HAS_MIN ? f16_quads(blk + 32) : Lanes{{_mm256_mul_ps(dq.h[0], base), _mm256_mul_ps(dq.h[1], base)}};
   Quads v[4], u[4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)  // runs 4 j ..: values 4 j + a (low nibbles), 16 + 4 j + a (high)
@@ -31,40 +44,32 @@ void Nibbles16<G, H, BASE>::dot_groups(const uint8_t* blk, F&& f) {
   f(Int<0>{}, Int<1>{}, 16, u, dq, mq);
 }
 
-// 16 float16 fields at p (one a row) as float32, each half of the rows in Quads' order
-inline void f16_quads(const uint8_t* p, __m256* out) {
-#if defined(__F16C__)
-  const __m256i h = _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), 0xD8);
-  out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h)), out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-#else
-  const Lanes q = to_quads(f16_fields(p));
-  out[0] = q.h[0], out[1] = q.h[1];
-#endif
+// 16 bytes at p (one a row) in Quads' order of rows: the first 8 bytes rows 0-3 and 8-11, the last 8 rows 4-7, 12-15
+inline __m128i bytes_quads(const uint8_t* p) {
+  const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), quad_rows);
 }
 
 // a Q4_K tile block's 8 groups' d and m at dm[g] (d of each half of the rows in Quads' order, then m): the bits of
 // k_scales16 and to_quads, but its 16 rows' scale bytes shuffled into Quads' order and decoded as bytes, so that no
 // vector of 16 lanes is exchanged between halves (one-row Q4_K products 1.07-1.15x faster, Zen 3, kernels_ab.py)
 inline void k_scales_quads(const uint8_t* blk, __m256 (*dm)[4]) {
-  __m256 dd[2], dmin[2];
-  f16_quads(blk, dd);
-  f16_quads(blk + 32, dmin);
-  for (int h = 0; h < 2; ++h) dmin[h] = _mm256_xor_ps(dmin[h], _mm256_set1_ps(-0.0f));  // m = -(dmin min)
-  const __m128i quad_rows = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+  const Lanes dd = f16_quads(blk), dmin = f16_quads(blk + 32);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 neg_dmin[2] = {_mm256_xor_ps(dmin.h[0], sign), _mm256_xor_ps(dmin.h[1], sign)};  // m = -(dmin min)
   __m128i sc[12];  // k_scales' 12 bytes of the 16 rows, each in Quads' order
-  for (int j = 0; j < 12; ++j)
-    sc[j] = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 64 + 16 * j)), quad_rows);
+  for (int j = 0; j < 12; ++j) sc[j] = bytes_quads(blk + 64 + 16 * j);
   const __m128i six = _mm_set1_epi8(0x3F), four = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
   const auto put = [](__m128i bytes, const __m256* scale, __m256* out) {  // out[h] = scale[h] times the bytes
     out[0] = _mm256_mul_ps(scale[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
     out[1] = _mm256_mul_ps(scale[1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
   };
   for (int j = 0; j < 4; ++j) {  // (16-bit shifts: the bits they bring in from the next byte are masked off)
-    put(_mm_and_si128(sc[j], six), dd, dm[j]);
-    put(_mm_and_si128(sc[j + 4], six), dmin, dm[j] + 2);
-    put(_mm_or_si128(_mm_and_si128(sc[j + 8], four), _mm_and_si128(_mm_srli_epi16(sc[j], 2), top)), dd, dm[j + 4]);
+    put(_mm_and_si128(sc[j], six), dd.h, dm[j]);
+    put(_mm_and_si128(sc[j + 4], six), neg_dmin, dm[j] + 2);
+    put(_mm_or_si128(_mm_and_si128(sc[j + 8], four), _mm_and_si128(_mm_srli_epi16(sc[j], 2), top)), dd.h, dm[j + 4]);
     const __m128i high_min = _mm_and_si128(_mm_srli_epi16(sc[j + 4], 2), top);
-    put(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(sc[j + 8], 4), four), high_min), dmin, dm[j + 4] + 2);
+    put(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(sc[j + 8], 4), four), high_min), neg_dmin, dm[j + 4] + 2);
   }
 }
 
@@ -108,7 +113,7 @@ inline void q6k_runs(const uint8_t* blk, int h, int k, Quads (&q)[2][4], Quads (
 template <int R, class F>
 void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
   const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
-  const vf dd = f16_fields(&bits);
+  const Lanes dd = f16_quads(&bits);
   const __m256i n15 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), top = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h)
     // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: runs 128 + 32 h + l
@@ -129,8 +134,12 @@ void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
                                           : _mm256_and_si256(_mm256_srli_epi16(b, 2), top);
             u[j].h[i] = _mm256_or_si256(low, high);
           }
-        const vf dg = dd * tof((vsb)load16(blk + 16 * (192 + 8 * h + 2 * s + k)));
-        f(Int<0>{}, Int<0>{}, 128 * h + 32 * s + 16 * k, u, to_quads(dg), to_quads(dg * -32.0f));
+        const __m128i sc = bytes_quads(blk + 16 * (192 + 8 * h + 2 * s + k));  // the group's 16 scales
+        const Lanes dg{{_mm256_mul_ps(dd.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
+                        _mm256_mul_ps(dd.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))}};
+        const __m256 m32 = _mm256_set1_ps(-32.0f);
+        f(Int<0>{}, Int<0>{}, 128 * h + 32 * s + 16 * k, u, dg,
+          Lanes{{_mm256_mul_ps(dg.h[0], m32), _mm256_mul_ps(dg.h[1], m32)}});
       }
     }
 }
@@ -144,8 +153,8 @@ void Q5_0x16::dot_groups(const uint8_t* blk, F&& f) {
                           16));
   mask[0] = _mm256_permute2x128_si256(rows[0], rows[1], 0x20);
   mask[1] = _mm256_permute2x128_si256(rows[0], rows[1], 0x31);
-  const vf d = f16_fields(blk);
-  const Lanes dq = to_quads(d), mq = to_quads(d * -16.0f);
+  const Lanes dq = f16_quads(blk);
+  const Lanes mq{{_mm256_mul_ps(dq.h[0], _mm256_set1_ps(-16.0f)), _mm256_mul_ps(dq.h[1], _mm256_set1_ps(-16.0f))}};
   Quads v[4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) v[j] = load_quads(blk + 96 + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
