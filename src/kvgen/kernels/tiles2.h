@@ -21,6 +21,12 @@ inline Lanes f16_quads(const void* p) {
 #endif
 }
 
+// v's 16 lanes times s
+inline Lanes times(const Lanes& v, float s) {
+  const __m256 f = _mm256_set1_ps(s);
+  return {{_mm256_mul_ps(v.h[0], f), _mm256_mul_ps(v.h[1], f)}};
+}
+
 // dot_groups<R>(blk, f): f(slot, part, k0, u, d, m) for each 16 values of a tile block from value k0 on, the part-th
 // 16 of a group of T::GROUP values (slot: which of the groups open at once): u[j] holds values k0 + 4 j .. k0 + 4 j +
 // 3 of the 16 rows as unsigned bytes (at most T::CODE_MAX), worth d * u + m. Parts of 16 values (8 registers of u)
@@ -29,9 +35,7 @@ template <class G, int H, int BASE>
 template <int R, class F>
 void Nibbles16<G, H, BASE>::dot_groups(const uint8_t* blk, F&& f) {
   const Lanes dq = f16_quads(blk);
-  const __m256 base = _mm256_set1_ps((float)BASE);
-  const Lanes mq =
-      G::HAS_MIN ? f16_quads(blk + 32) : Lanes{{_mm256_mul_ps(dq.h[0], base), _mm256_mul_ps(dq.h[1], base)}};
+  const Lanes mq = G::HAS_MIN ? f16_quads(blk + 32) : times(dq, (float)BASE);
   Quads v[4], u[4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j)  // runs 4 j ..: values 4 j + a (low nibbles), 16 + 4 j + a (high)
@@ -52,7 +56,8 @@ inline __m128i bytes_quads(const uint8_t* p) {
 
 // a Q4_K tile block's 8 groups' d and m at dm[g] (d of each half of the rows in Quads' order, then m): the bits of
 // k_scales16 and to_quads, but its 16 rows' scale bytes shuffled into Quads' order and decoded as bytes, so that no
-// vector of 16 lanes is exchanged between halves (one-row Q4_K products 1.07-1.15x faster, Zen 3, kernels_ab.py)
+// vector of 16 lanes is exchanged between halves (one-row Q4_K products 1.00-1.21x faster from memory, AMD EPYC
+// Zen 3, kernels_ab.py: benchmarks/results/q4k_scales_quads_zen3.json)
 inline void k_scales_quads(const uint8_t* blk, __m256 (*dm)[4]) {
   const Lanes dd = f16_quads(blk), dmin = f16_quads(blk + 32);
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -137,9 +142,7 @@ void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
         const __m128i sc = bytes_quads(blk + 16 * (192 + 8 * h + 2 * s + k));  // the group's 16 scales
         const Lanes dg{{_mm256_mul_ps(dd.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
                         _mm256_mul_ps(dd.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))}};
-        const __m256 m32 = _mm256_set1_ps(-32.0f);
-        f(Int<0>{}, Int<0>{}, 128 * h + 32 * s + 16 * k, u, dg,
-          Lanes{{_mm256_mul_ps(dg.h[0], m32), _mm256_mul_ps(dg.h[1], m32)}});
+        f(Int<0>{}, Int<0>{}, 128 * h + 32 * s + 16 * k, u, dg, times(dg, -32.0f));
       }
     }
 }
@@ -154,7 +157,7 @@ void Q5_0x16::dot_groups(const uint8_t* blk, F&& f) {
   mask[0] = _mm256_permute2x128_si256(rows[0], rows[1], 0x20);
   mask[1] = _mm256_permute2x128_si256(rows[0], rows[1], 0x31);
   const Lanes dq = f16_quads(blk);
-  const Lanes mq{{_mm256_mul_ps(dq.h[0], _mm256_set1_ps(-16.0f)), _mm256_mul_ps(dq.h[1], _mm256_set1_ps(-16.0f))}};
+  const Lanes mq = times(dq, -16.0f);
   Quads v[4];
 #pragma GCC unroll 4
   for (int j = 0; j < 4; ++j) v[j] = load_quads(blk + 96 + 64 * j);  // runs 4 j ..: values 4 j + a (low), 16 + 4 j + a
