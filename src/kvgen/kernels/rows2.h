@@ -147,14 +147,10 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
                                                                         __m256& acc0, __m256& acc1)
                                                                         __attribute__((always_inline)) {
     __m256 dm[16][4];  // each group's d (each half of the rows), then its m = -32 d
-    const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
-    const Lanes dd = f16_quads(&bits);
+    const Lanes dd = q6k_d(blk);
     for (int g = 0; g < 16; ++g) {
-      const __m128i sc = bytes_quads(blk + 16 * (192 + g));
-      dm[g][0] = _mm256_mul_ps(dd.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-      dm[g][1] = _mm256_mul_ps(dd.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-      dm[g][2] = _mm256_mul_ps(dm[g][0], _mm256_set1_ps(-32.0f));
-      dm[g][3] = _mm256_mul_ps(dm[g][1], _mm256_set1_ps(-32.0f));
+      const Lanes d = times_bytes(dd, bytes_quads(blk + 16 * (192 + g))), m = times(d, -32.0f);
+      dm[g][0] = d.h[0], dm[g][1] = d.h[1], dm[g][2] = m.h[0], dm[g][3] = m.h[1];
     }
     // values 128 h + 32 s + 16 k + l (l = 0..15): group 8 h + 2 s + k; low 4 bits in runs 64 h + 32 (s % 2) + 16 k +
     // l (the high nibbles for s >= 2), top 2 bits in runs 128 + 32 h + 16 k + l; i = 8 h + 4 k + s

@@ -54,27 +54,37 @@ inline __m128i bytes_quads(const uint8_t* p) {
   return _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), quad_rows);
 }
 
+// d times 16 signed bytes in Quads' order of rows (bytes_quads'), lane by lane
+inline Lanes times_bytes(const Lanes& d, __m128i bytes) {
+  return {{_mm256_mul_ps(d.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))),
+           _mm256_mul_ps(d.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))))}};
+}
+
+// a Q6_K tile block's 16 rows' d (their low and high bytes stored apart) in Quads' order
+inline Lanes q6k_d(const uint8_t* blk) {
+  const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+  return f16_quads(&bits);
+}
+
 // a Q4_K tile block's 8 groups' d and m at dm[g] (d of each half of the rows in Quads' order, then m): the bits of
 // k_scales16 and to_quads, but its 16 rows' scale bytes shuffled into Quads' order and decoded as bytes, so that no
 // vector of 16 lanes is exchanged between halves (one-row Q4_K products 1.00-1.21x faster from memory, AMD EPYC
 // Zen 3, kernels_ab.py: benchmarks/results/q4k_scales_quads_zen3.json)
 inline void k_scales_quads(const uint8_t* blk, __m256 (*dm)[4]) {
-  const Lanes dd = f16_quads(blk), dmin = f16_quads(blk + 32);
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256 neg_dmin[2] = {_mm256_xor_ps(dmin.h[0], sign), _mm256_xor_ps(dmin.h[1], sign)};  // m = -(dmin min)
+  const Lanes dd = f16_quads(blk), neg_dmin = times(f16_quads(blk + 32), -1.0f);  // m = -(dmin min)
   __m128i sc[12];  // k_scales' 12 bytes of the 16 rows, each in Quads' order
   for (int j = 0; j < 12; ++j) sc[j] = bytes_quads(blk + 64 + 16 * j);
   const __m128i six = _mm_set1_epi8(0x3F), four = _mm_set1_epi8(0x0F), top = _mm_set1_epi8(0x30);
-  const auto put = [](__m128i bytes, const __m256* scale, __m256* out) {  // out[h] = scale[h] times the bytes
-    out[0] = _mm256_mul_ps(scale[0], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
-    out[1] = _mm256_mul_ps(scale[1], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))));
-  };
-  for (int j = 0; j < 4; ++j) {  // (16-bit shifts: the bits they bring in from the next byte are masked off)
-    put(_mm_and_si128(sc[j], six), dd.h, dm[j]);
-    put(_mm_and_si128(sc[j + 4], six), neg_dmin, dm[j] + 2);
-    put(_mm_or_si128(_mm_and_si128(sc[j + 8], four), _mm_and_si128(_mm_srli_epi16(sc[j], 2), top)), dd.h, dm[j + 4]);
-    const __m128i high_min = _mm_and_si128(_mm_srli_epi16(sc[j + 4], 2), top);
-    put(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(sc[j + 8], 4), four), high_min), neg_dmin, dm[j + 4] + 2);
+  const auto put = [](const Lanes& v, __m256* out) { out[0] = v.h[0], out[1] = v.h[1]; };
+  // 6-bit codes (times_bytes takes signed bytes: these are below 64); the bits the 16-bit shifts bring in from the
+  // next byte are masked off
+  for (int j = 0; j < 4; ++j) {
+    put(times_bytes(dd, _mm_and_si128(sc[j], six)), dm[j]);
+    put(times_bytes(neg_dmin, _mm_and_si128(sc[j + 4], six)), dm[j] + 2);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(sc[j], 2), top);
+    put(times_bytes(dd, _mm_or_si128(_mm_and_si128(sc[j + 8], four), high)), dm[j + 4]);
+    const __m128i low_min = _mm_and_si128(_mm_srli_epi16(sc[j + 8], 4), four);
+    put(times_bytes(neg_dmin, _mm_or_si128(low_min, _mm_and_si128(_mm_srli_epi16(sc[j + 4], 2), top))), dm[j + 4] + 2);
   }
 }
 
@@ -117,8 +127,7 @@ inline void q6k_runs(const uint8_t* blk, int h, int k, Quads (&q)[2][4], Quads (
 
 template <int R, class F>
 void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
-  const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
-  const Lanes dd = f16_quads(&bits);
+  const Lanes dd = q6k_d(blk);
   const __m256i n15 = _mm256_set1_epi8(15), two = _mm256_set1_epi8(3), top = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h)
     // low 4 bits: runs 64 h + l (s = 0, 2) or 64 h + 32 + l (s = 1, 3); top 2 bits: runs 128 + 32 h + l
@@ -139,9 +148,7 @@ void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
                                           : _mm256_and_si256(_mm256_srli_epi16(b, 2), top);
             u[j].h[i] = _mm256_or_si256(low, high);
           }
-        const __m128i sc = bytes_quads(blk + 16 * (192 + 8 * h + 2 * s + k));  // the group's 16 scales
-        const Lanes dg{{_mm256_mul_ps(dd.h[0], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))),
-                        _mm256_mul_ps(dd.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))))}};
+        const Lanes dg = times_bytes(dd, bytes_quads(blk + 16 * (192 + 8 * h + 2 * s + k)));  // the group's scales
         f(Int<0>{}, Int<0>{}, 128 * h + 32 * s + 16 * k, u, dg, times(dg, -32.0f));
       }
     }
