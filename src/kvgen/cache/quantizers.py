@@ -125,30 +125,29 @@ def minmax_quantize(x: torch.Tensor, dim: int, nbits: int, sdtype: torch.dtype,
     return codes.to(torch.uint8), scale, zero
 
 
-def _search_range(x, lo, hi, range_cuts, qmax, sdtype):
+def _search_range(x, lo, hi, range_cuts, qmax, sdtype, scratch: int = 1 << 20):
     """The ``(low, high)`` of least squared error per slice among ``range_cuts``; slices along the last dim of ``x``.
 
-    The error of a candidate is ``scale**2 * sum((codes - t)**2)`` with ``t = (x - zero) / scale``: a few
-    passes per candidate, candidates evaluated together in bounded scratch (a prefill's keys are large).
+    The error of a candidate is ``scale**2 * sum((codes - t)**2)`` with ``t = (x - zero) / scale``. Every
+    candidate is weighed on a few slices at a time, ``scratch`` floats per pass, so the passes run from the
+    cache (a model's weights at load, a prefill's keys): one pass per candidate over a whole tensor ran 3x slower.
     """
-    span, best = hi - lo, None
-    per_pass = max(1, (1 << 22) // max(x.numel(), 1))
-    for start in range(0, len(range_cuts), per_pass):
-        cuts = torch.tensor(range_cuts[start:start + per_pass], dtype=torch.float32, device=x.device)
-        a, b = (cuts[:, i].view(-1, *[1] * x.dim()) for i in (0, 1))  # (C, 1, ..., 1)
-        low, high = lo + a * span, hi - b * span  # (C, ..., 1)
+    n = x.shape[-1]
+    xs, los, his = x.reshape(-1, n), lo.reshape(-1, 1), hi.reshape(-1, 1)  # (S, n), (S, 1), (S, 1)
+    cuts = torch.tensor(range_cuts, dtype=torch.float32, device=x.device)  # (C, 2)
+    a, b = cuts[:, :1, None], cuts[:, 1:, None]  # (C, 1, 1)
+    best_lo, best_hi = torch.empty_like(los), torch.empty_like(his)  # (S, 1)
+    rows = max(1, scratch // (n * len(range_cuts)))
+    for r in range(0, xs.shape[0], rows):
+        l, h = los[r:r + rows], his[r:r + rows]  # (R, 1)
+        low, high = l + a * (h - l), h - b * (h - l)  # (C, R, 1)
         s, z = ((high - low) / qmax).to(sdtype).float(), low.to(sdtype).float()
-        t = (x - z).mul_(torch.where(s > 0, 1.0 / s, torch.zeros_like(s)))  # (C, ..., n)
+        t = (xs[r:r + rows] - z).mul_(torch.where(s > 0, 1.0 / s, torch.zeros_like(s)))  # (C, R, n)
         codes = t.round().clamp_(0, qmax).sub_(t)
-        error = torch.linalg.vecdot(codes, codes)[..., None] * s.square()  # (C, ..., 1)
-        pick = error.argmin(0, keepdim=True)
-        found = [v.gather(0, pick)[0] for v in (error, low, high)]
-        if best is None:
-            best = found
-        else:
-            better = found[0] < best[0]
-            best = [torch.where(better, new, old) for new, old in zip(found, best)]
-    return best[1], best[2]
+        error = torch.linalg.vecdot(codes, codes)[..., None] * s.square()  # (C, R, 1)
+        pick = error.argmin(0, keepdim=True)  # (1, R, 1)
+        best_lo[r:r + rows], best_hi[r:r + rows] = low.gather(0, pick)[0], high.gather(0, pick)[0]
+    return best_lo.view_as(lo), best_hi.view_as(hi)
 
 
 def _grow(t: torch.Tensor | None, dim: int, needed: int, unit: int) -> torch.Tensor:
