@@ -29,20 +29,17 @@ namespace kvgen {
 #define KVGEN_Q6_TOP1(OFF, T) "vmovdqu " OFF "(%[tp]), " T "\n vpsllw $2, " T ", " T "\n vpand %[top], " T ", " T "\n"
 #define KVGEN_Q6_TOP2(OFF, T) "vpand " OFF "(%[tp]), %[top], " T "\n"
 #define KVGEN_Q6_TOP3(OFF, T) "vmovdqu " OFF "(%[tp]), " T "\n vpsrlw $2, " T ", " T "\n vpand %[top], " T ", " T "\n"
-// the next block's line (3360 bytes on) of the runs at OFF, by the group that reads them first (low: s < 2; top:
-// s = 0): the next block a line at a time as this one's is read; and into L2 the same line of the block Q6_L2_AHEAD
-// on (13 kB: the output heads and ffn_down of Llama 3.2 1B and Qwen2.5-1.5B from memory 1.03-1.15x faster at 1 and 2
-// threads, benchmarks/results/q6k_l2_prefetch_zen3.json; 2, 6 or 8 blocks on alike; the L2 prefetch in place of the
-// L1 one, 3 blocks on, 0.99-1.06x; AMD EPYC Zen 3, kernels_ab.py). (In C, next to the assembly, GCC hoisted them all
-// to the block's start, and products from memory ran at half the speed.)
-constexpr int64_t Q6_L2_AHEAD = 4;
-static_assert(Q6_L2_AHEAD * 3360 == 13440, "the Q6_K prefetches into L2 name the block Q6_L2_AHEAD on");
-#define KVGEN_Q6_LOW01_NEXT(OFF) "prefetcht0 3360+" OFF "(%[lo])\n prefetcht1 13440+" OFF "(%[lo])\n"
-#define KVGEN_Q6_LOW23_NEXT(OFF)
-#define KVGEN_Q6_TOP0_NEXT(OFF) "prefetcht0 3360+" OFF "(%[tp])\n prefetcht1 13440+" OFF "(%[tp])\n"
-#define KVGEN_Q6_TOP1_NEXT(OFF)
-#define KVGEN_Q6_TOP2_NEXT(OFF)
-#define KVGEN_Q6_TOP3_NEXT(OFF)
+// group i's prefetches, from pf (its block + 3360 + 210 i): the i-th sixteenth of the next block, and of the block 4
+// on into L2, so that the next blocks are fetched in the order of their addresses, which the hardware's prefetchers
+// follow. The groups read their own block out of that order (low runs 0, 512, 0, 512, 256, ...); prefetching each
+// run's line of the next blocks as a group read it ran 0.72-0.94x this from memory (output heads, ffn_down and attn_v
+// of Llama 3.2 1B and Qwen2.5-1.5B at 1 and 2 threads, benchmarks/results/q6k_sequential_prefetch_zen3.json; without
+// prefetches 0.58-0.72x that; AMD EPYC Zen 3, kernels_ab.py). Into L2 2 blocks on ran 0.93-1.03x this, 8 alike.
+// (In C, next to the assembly, GCC hoisted prefetches to the block's start, and products from memory ran at half the
+// speed.)
+#define KVGEN_Q6_NEXT                                                                                         \
+  "prefetcht0 (%[pf])\n prefetcht0 64(%[pf])\n prefetcht0 128(%[pf])\n prefetcht0 192(%[pf])\n"                \
+  "prefetcht1 10080(%[pf])\n prefetcht1 10144(%[pf])\n prefetcht1 10208(%[pf])\n prefetcht1 10272(%[pf])\n"
 // quad J (offsets O0, O1 of its halves' runs, X of its input values): u of each half in ymm0, ymm1; level l's int16
 // sums of half 0 in ymm4 + l, of half 1 in ymm7 + l (ymm3: products to add); level 0's int32 sums in ymm10, ymm11
 #define KVGEN_ROW_SET(a, b) a
@@ -66,7 +63,6 @@ static_assert(Q6_L2_AHEAD * 3360 == 13440, "the Q6_K prefetches into L2 name the
   "vmulps 32(%[dm]), %%ymm2, %%ymm3\n vfmadd231ps %%ymm3, %%ymm11, %[acc1]\n" XS                              \
   "vfmadd231ps 64(%[dm]), %%ymm2, %[acc0]\n vfmadd231ps 96(%[dm]), %%ymm2, %[acc1]\n"
 #define KVGEN_Q6_QUAD(LOW, TOP, O0, O1, X, F0, F12, HIGH)                                                   \
-  LOW##_NEXT(O0) TOP##_NEXT(O0)                                                                             \
   LOW(O0, "%%ymm0") TOP(O0, "%%ymm3") "vpor %%ymm3, %%ymm0, %%ymm0\n"                                     \
   LOW(O1, "%%ymm1") TOP(O1, "%%ymm3") "vpor %%ymm3, %%ymm1, %%ymm1\n"                                     \
   KVGEN_ROW_LEVEL(X "(%[q])", "4", "7", F0) KVGEN_ROW_LEVEL(X "(%[q],%[K])", "5", "8", F12)                   \
@@ -75,6 +71,7 @@ static_assert(Q6_L2_AHEAD * 3360 == 13440, "the Q6_K prefetches into L2 name the
   "vpmaddwd %[w14], %%ymm4, %%ymm3\n vpaddd %%ymm3, %%ymm10, %%ymm10\n"                                      \
   "vpmaddwd %[w14], %%ymm7, %%ymm3\n vpaddd %%ymm3, %%ymm11, %%ymm11\n"
 #define KVGEN_Q6_GROUP(LOW, TOP)                                                                              \
+  KVGEN_Q6_NEXT                                                                                               \
   KVGEN_Q6_QUAD(LOW, TOP, "0", "32", "0", KVGEN_ROW_SET, KVGEN_ROW_SET, "")                                           \
   KVGEN_Q6_QUAD(LOW, TOP, "64", "96", "4", KVGEN_ROW_ADD, KVGEN_ROW_ADD, KVGEN_ROW_HIGH_SET)                           \
   KVGEN_Q6_QUAD(LOW, TOP, "128", "160", "8", KVGEN_ROW_SET, KVGEN_ROW_ADD, "")                                        \
@@ -87,15 +84,16 @@ alignas(32) inline constexpr int16_t LEVEL_WEIGHTS[3][16] = {
     {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1}};
 
 template <int S>
-__attribute__((always_inline)) inline void q6k_group(const uint8_t* low, const uint8_t* top, const int8_t* q, int64_t K,
-                                                     const float* sx, const float* xs, const __m256* dm,
-                                                     __m256& acc0, __m256& acc1) {
+__attribute__((always_inline)) inline void q6k_group(const uint8_t* pf, const uint8_t* low, const uint8_t* top,
+                                                     const int8_t* q, int64_t K, const float* sx, const float* xs,
+                                                     const __m256* dm, __m256& acc0, __m256& acc1) {
   const __m256i n15 = _mm256_set1_epi8(15), topm = _mm256_set1_epi8(S == 0 ? 3 : 0x30);
   const auto& w = LEVEL_WEIGHTS;
 #define KVGEN_Q6_ASM(LOW, TOP)                                                                                 \
   __asm__(KVGEN_Q6_GROUP(LOW, TOP)                                                                             \
           : [acc0] "+x"(acc0), [acc1] "+x"(acc1)                                                               \
-          : [lo] "r"(low), [tp] "r"(top), [q] "r"(q), [K] "r"(K), [dm] "r"(dm), [n15] "x"(n15), [top] "x"(topm),  \
+          : [pf] "r"(pf), [lo] "r"(low), [tp] "r"(top), [q] "r"(q), [K] "r"(K), [dm] "r"(dm), [n15] "x"(n15),      \
+            [top] "x"(topm),                                                                                   \
             [sx] "m"(*sx), [xs] "m"(*xs), [w14] "m"(*(const __m256i*)w[0]), [w7] "m"(*(const __m256i*)w[1]),  \
             [w1] "m"(*(const __m256i*)w[2]), "m"(*(const uint8_t(*)[256])low), "m"(*(const uint8_t(*)[256])top), \
             "m"(*(const __m256(*)[4])dm)                                                                       \
@@ -107,11 +105,10 @@ __attribute__((always_inline)) inline void q6k_group(const uint8_t* low, const u
 #undef KVGEN_Q6_ASM
 }
 
-// y[16 t + i] for tiles t0..t1 of format G and one row r0 of the rounded input: per tile block, lines FROM..TO of the
-// next block fetched (its other lines: the block's groups fetch them), and into L2 those of the block L2_AHEAD on
-// (0: none), then block(blk, xb, sb, xs, acc0, acc1) adds the block's products to acc0, acc1 (each half of the rows),
-// with xb, sb, xs its inputs' levels, scales and sums
-template <class G, int64_t FROM, int64_t TO, int64_t L2_AHEAD, class B>
+// y[16 t + i] for tiles t0..t1 of format G and one row r0 of the rounded input: per tile block, the first HEAD bytes
+// of the next block fetched (its other lines: the block's groups fetch them), then block(blk, xb, sb, xs, acc0, acc1)
+// adds the block's products to acc0, acc1 (each half of the rows), with xb, sb, xs its inputs' levels, scales and sums
+template <class G, int64_t HEAD, class B>
 __attribute__((always_inline)) inline void row_blocks(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
                                                       int64_t t1, float* y, B&& block) {
   constexpr int64_t TB = 16 * G::BYTES;
@@ -123,10 +120,7 @@ __attribute__((always_inline)) inline void row_blocks(const RoundedX& x, int64_t
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = tile + b * TB;
-      for (int64_t l = FROM; l < TO; l += 64) {
-        __builtin_prefetch(blk + TB + l);
-        if constexpr (L2_AHEAD > 0) __builtin_prefetch(blk + L2_AHEAD * TB + l, 0, 2);
-      }
+      for (int64_t l = 0; l < HEAD; l += 64) __builtin_prefetch(blk + TB + l);
       block(blk, levels + b * G::QK, scales + b * (G::QK / 32), sums + b * (G::QK / 16), acc0, acc1);
     }
     store_rows(y + 16 * t, Lanes{{acc0, acc1}});
@@ -135,17 +129,14 @@ __attribute__((always_inline)) inline void row_blocks(const RoundedX& x, int64_t
 
 // y[16 t + i] for Q6_K tiles t0..t1 and one row r0 of the rounded input (the output head and half the down products
 // of a Q4_K_M file): a group of 16 values at a time (q6k_group), its place in the block known when compiled; per
-// block, first the rows' d and m of its 16 groups, in Quads' order. The next block's scales and d are fetched a line
-// at a time as this one's are read: its lines all at its start, 4 kB ahead, ran 0.83-0.91x that on Qwen2.5-1.5B's
-// output head and Q6_K down products (Zen 3)
+// block, first the rows' d and m of its 16 groups, in Quads' order; group i fetches the i-th sixteenth of the next
+// blocks (KVGEN_Q6_NEXT)
 __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t r0, const uint8_t* w, int64_t t0,
                                                      int64_t t1, float* y) {
   static_assert(16 * Q6_K::BYTES == 3360, "q6k_group's prefetches name the tile block's size");
   const int64_t K = x.K;
-  row_blocks<Q6_K, 16 * 192, 3360, Q6_L2_AHEAD>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb,
-                                                                        const float* sb, const float* xs,
-                                                                        __m256& acc0, __m256& acc1)
-                                                                        __attribute__((always_inline)) {
+  row_blocks<Q6_K, 0>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb, const float* xs,
+                                              __m256& acc0, __m256& acc1) __attribute__((always_inline)) {
     __m256 dm[16][4];  // each group's d (each half of the rows), then its m = -32 d
     const Lanes dd = q6k_d(blk);
     for (int g = 0; g < 16; ++g) {
@@ -160,7 +151,8 @@ __attribute__((noinline)) inline void matmul_q6k_row(const RoundedX& x, int64_t 
             constexpr int h = I / 8, k = I / 4 % 2, S = I % 4, k0 = 128 * h + 32 * S + 16 * k;
             const uint8_t* low = blk + 16 * (64 * h + 32 * (S % 2) + 16 * k);
             const uint8_t* top = blk + 16 * (128 + 32 * h + 16 * k);
-            q6k_group<S>(low, top, xb + k0, K, sb + k0 / 32, xs + k0 / 16, dm[8 * h + 2 * S + k], acc0, acc1);
+            q6k_group<S>(blk + 3360 + 210 * I, low, top, xb + k0, K, sb + k0 / 32, xs + k0 / 16, dm[8 * h + 2 * S + k],
+                         acc0, acc1);
           }(),
           ...);
     }(std::make_integer_sequence<int, 16>{});
@@ -212,9 +204,9 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
                                                      int64_t t1, float* y) {
   static_assert(16 * Q4_K::BYTES == 2304, "q4k_group's prefetches name the tile block's size");
   const int64_t K = x.K;
-  row_blocks<Q4_K, 0, 256, 0>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
-                                                    const float* xs, __m256& acc0, __m256& acc1)
-                                                    __attribute__((always_inline)) {
+  row_blocks<Q4_K, 256>(x, r0, w, t0, t1, y, [&](const uint8_t* blk, const int8_t* xb, const float* sb,
+                                                const float* xs, __m256& acc0, __m256& acc1)
+                                                __attribute__((always_inline)) {
     __m256 dm[8][4];  // each group's d (each half of the rows), then its m
     k_scales_quads(blk, dm);
     // byte i of chunk c (its runs from blk + 256 + 512 c): value 64 c + i (low nibble, group 2 c), 64 c + 32 + i
@@ -233,12 +225,7 @@ __attribute__((noinline)) inline void matmul_q4k_row(const RoundedX& x, int64_t 
 #undef KVGEN_Q6_TOP1
 #undef KVGEN_Q6_TOP2
 #undef KVGEN_Q6_TOP3
-#undef KVGEN_Q6_LOW01_NEXT
-#undef KVGEN_Q6_LOW23_NEXT
-#undef KVGEN_Q6_TOP0_NEXT
-#undef KVGEN_Q6_TOP1_NEXT
-#undef KVGEN_Q6_TOP2_NEXT
-#undef KVGEN_Q6_TOP3_NEXT
+#undef KVGEN_Q6_NEXT
 #undef KVGEN_Q6_QUAD
 #undef KVGEN_Q6_HIGH_ADD
 #undef KVGEN_Q6_GROUP
