@@ -125,19 +125,23 @@ def minmax_quantize(x: torch.Tensor, dim: int, nbits: int, sdtype: torch.dtype,
     return codes.to(torch.uint8), scale, zero
 
 
-def _search_range(x, lo, hi, range_cuts, qmax, sdtype, scratch: int = 1 << 20):
+#: floats of scratch per pass of :func:`_search_range` (4 MB: its passes stay in L2/L3)
+_SEARCH_SCRATCH = 1 << 20
+
+
+def _search_range(x, lo, hi, range_cuts, qmax, sdtype):
     """The ``(low, high)`` of least squared error per slice among ``range_cuts``; slices along the last dim of ``x``.
 
     The error of a candidate is ``scale**2 * sum((codes - t)**2)`` with ``t = (x - zero) / scale``. Every
-    candidate is weighed on a few slices at a time, ``scratch`` floats per pass, so the passes run from the
-    cache (a model's weights at load, a prefill's keys): one pass per candidate over a whole tensor ran 3x slower.
+    candidate is weighed on a few slices at a time, ``_SEARCH_SCRATCH`` floats per pass, so the passes run from the
+    cache (a model's weights at load, a prefill's keys): one pass per candidate over a whole tensor ran 2-3x slower.
     """
     n = x.shape[-1]
     xs, los, his = x.reshape(-1, n), lo.reshape(-1, 1), hi.reshape(-1, 1)  # (S, n), (S, 1), (S, 1)
     cuts = torch.tensor(range_cuts, dtype=torch.float32, device=x.device)  # (C, 2)
     a, b = cuts[:, :1, None], cuts[:, 1:, None]  # (C, 1, 1)
     best_lo, best_hi = torch.empty_like(los), torch.empty_like(his)  # (S, 1)
-    rows = max(1, scratch // (n * len(range_cuts)))
+    rows = max(1, _SEARCH_SCRATCH // (n * len(range_cuts)))
     for r in range(0, xs.shape[0], rows):
         l, h = los[r:r + rows], his[r:r + rows]  # (R, 1)
         low, high = l + a * (h - l), h - b * (h - l)  # (C, R, 1)
