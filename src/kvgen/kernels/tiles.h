@@ -188,10 +188,15 @@ void Q4_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
   }
 }
 
+// a Q6_K tile block's 16 rows' float16 d, one a row (their low and high bytes are stored apart)
+inline vh q6k_d_fields(const uint8_t* blk) {
+  return __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+}
+
 template <int CH, class E, class C>
 void Q6_Kx16::block(const uint8_t* blk, E&& emit, C&& close) {
   constexpr int S = SLOTS<CH> / 4;
-  const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+  const vh bits = q6k_d_fields(blk);
   const vf dd = f16_fields(&bits);
   for (int h = 0; h < 2; ++h)
     for (int k = 0; k < 2; ++k) {  // values 128 h + 32 s + l for l in 16 k .. 16 k + 15: group 8 h + 2 s + k
@@ -321,7 +326,7 @@ void Q4_Kx16::dot_groups(const uint8_t* blk, F&& f) {
 
 template <int R, class F>
 void Q6_Kx16::dot_groups(const uint8_t* blk, F&& f) {
-  const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+  const vh bits = q6k_d_fields(blk);
   const vf dd = f16_fields(&bits);
   float d[16][16];  // each group's scale, 16 rows at a time
   for (int g = 0; g < 16; ++g) {

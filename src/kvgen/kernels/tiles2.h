@@ -60,9 +60,9 @@ inline Lanes times_bytes(const Lanes& d, __m128i bytes) {
            _mm256_mul_ps(d.h[1], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))))}};
 }
 
-// a Q6_K tile block's 16 rows' d (their low and high bytes stored apart) in Quads' order
+// a Q6_K tile block's 16 rows' d in Quads' order
 inline Lanes q6k_d(const uint8_t* blk) {
-  const vh bits = __builtin_convertvector(toi(load16(blk + 16 * 208)) | (toi(load16(blk + 16 * 209)) << 8), vh);
+  const vh bits = q6k_d_fields(blk);
   return f16_quads(&bits);
 }
 
