@@ -144,7 +144,8 @@ def _search_range(x, lo, hi, range_cuts, qmax, sdtype):
     rows = max(1, _SEARCH_SCRATCH // (n * len(range_cuts)))
     for r in range(0, xs.shape[0], rows):
         l, h = los[r:r + rows], his[r:r + rows]  # (R, 1)
-        low, high = l + a * (h - l), h - b * (h - l)  # (C, R, 1)
+        span = h - l
+        low, high = l + a * span, h - b * span  # (C, R, 1)
         s, z = ((high - low) / qmax).to(sdtype).float(), low.to(sdtype).float()
         t = (xs[r:r + rows] - z).mul_(torch.where(s > 0, 1.0 / s, torch.zeros_like(s)))  # (C, R, n)
         codes = t.round().clamp_(0, qmax).sub_(t)
